@@ -1,0 +1,1 @@
+"""Benchmarks: throughput as ratios against baselines measured in the same run."""

@@ -1,0 +1,63 @@
+"""The one console script, `ddiloco`, and its subcommands.
+
+Each subcommand is a module of this package exposing `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their subcommand runs (or `--help` lists them), and they import their
+heavy dependencies (numba kernels, jax) inside `run`, so `ddiloco syncer` works on the base install and
+a jax subcommand without the `learner` extra fails with a message that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from typing import Sequence
+
+# name -> (module, one-line help). Order is the order `--help` lists them.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("ddiloco.cli.bench", "run a benchmark and print its table"),
+    "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),
+}
+
+
+class MissingExtraError(RuntimeError):
+    """A subcommand needs an optional dependency that is not installed."""
+
+
+def require_learner_extra() -> None:
+    """Raise a clear error when jax/optax (the `learner` extra) are missing."""
+    missing = [m for m in ("jax", "optax") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(
+            f"this subcommand needs {', '.join(missing)}: install the learner extra, "
+            "for example `pip install 'ddiloco[learner]'`"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo syncer, learners and tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except MissingExtraError as exc:
+        print(f"ddiloco {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        # Bad input reaches the user as one clear line, not a traceback.
+        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

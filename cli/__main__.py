@@ -1,0 +1,5 @@
+import sys
+
+from ddiloco.cli import main
+
+sys.exit(main())

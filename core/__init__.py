@@ -1,0 +1,1 @@
+"""Pure, synchronous, deterministic Decoupled DiLoCo logic (no I/O, no clock, no global RNG)."""

@@ -1,0 +1,240 @@
+"""Fragment codecs: a flat float32 fragment to bytes and back, with a small self-describing header.
+
+ALGORITHM.md, "Compression". Outer gradients travel int4 by default (blockwise absmax, one float32
+scale per block of 128, codes in [-7, 7]); fp32, bf16, int2 and int1 exist for broadcasts and for the
+compression ablation. A received payload is parsed into an `Encoded` view without copying, and the
+syncer merges straight from it: the fused kernels never materialise the fp32 vector for int4.
+
+Payload layout (little-endian):
+
+    offset  size  field
+    0       4     magic b"DDCF"
+    4       1     format version (1)
+    5       1     codec id (Codec.ident)
+    6       2     reserved, zero
+    8       4     block (values per scale; 0 for fp32 / bf16)
+    12      8     elements n (a multiple of block for block codecs)
+    20      4     body bytes (everything after this 24-byte header)
+    24      ...   body: fp32 -> float32[n]; bf16 -> uint16[n];
+                  int4 / int2 / int1 -> float32 scales[n/block] then uint8 codes[n/2 | n/4 | n/8]
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddiloco import kernels
+
+_HEADER = struct.Struct("<4sBBHIQI")
+HEADER_BYTES = _HEADER.size
+_MAGIC = b"DDCF"
+_FORMAT = 1
+ELEMENTS_MAX = 2**31 - 1
+
+
+class CodecError(ValueError):
+    """A payload or an input that a codec cannot take; the message says what is wrong."""
+
+
+class Codec(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT4 = "int4"
+    INT2 = "int2"
+    INT1 = "int1"
+
+    @property
+    def ident(self) -> int:
+        return _IDENTS[self]
+
+    @property
+    def is_block(self) -> bool:
+        return self in _CODES_PER_BYTE
+
+    def body_bytes(self, elements: int, block: int) -> int:
+        if self is Codec.FP32:
+            return 4 * elements
+        if self is Codec.BF16:
+            return 2 * elements
+        return 4 * (elements // block) + elements // _CODES_PER_BYTE[self]
+
+
+_IDENTS = {Codec.FP32: 1, Codec.BF16: 2, Codec.INT4: 3, Codec.INT2: 4, Codec.INT1: 5}
+_BY_IDENT = {v: k for k, v in _IDENTS.items()}
+_CODES_PER_BYTE = {Codec.INT4: 2, Codec.INT2: 4, Codec.INT1: 8}
+_QUANTIZE = {Codec.INT4: kernels.quantize_int4, Codec.INT2: kernels.quantize_int2, Codec.INT1: kernels.quantize_int1}
+_DEQUANTIZE = {
+    Codec.INT4: kernels.dequantize_int4,
+    Codec.INT2: kernels.dequantize_int2,
+    Codec.INT1: kernels.dequantize_int1,
+}
+_ACCUMULATE = {
+    Codec.INT4: kernels.accumulate_int4,
+    Codec.INT2: kernels.accumulate_int2,
+    Codec.INT1: kernels.accumulate_int1,
+}
+
+
+def parse_codec(name: str | Codec) -> Codec:
+    try:
+        return Codec(name)
+    except ValueError:
+        raise CodecError(f"unknown codec {name!r}; one of {[c.value for c in Codec]}") from None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A parsed payload: views into the received buffer, validated, never copied."""
+
+    codec: Codec
+    block: int
+    elements: int
+    data: np.ndarray  # float32[n] | uint16[n] | uint8[n/2|n/4|n/8]
+    scales: np.ndarray | None  # float32[n/block] for block codecs
+
+    def decode(self) -> np.ndarray:
+        """The fp32 vector (materialised; the merge path avoids this for int4)."""
+        if self.codec is Codec.FP32:
+            return self.data.copy()
+        if self.codec is Codec.BF16:
+            return kernels.from_bf16(self.data)
+        return _DEQUANTIZE[self.codec](self.data, self.scales, self.block)
+
+    def accumulate_into(self, acc: np.ndarray, weight: float) -> None:
+        """acc += weight * decode(self), fused for every codec but bf16."""
+        if self.codec is Codec.FP32:
+            kernels.accumulate(acc, weight, self.data)
+        elif self.codec is Codec.BF16:
+            kernels.accumulate(acc, weight, kernels.from_bf16(self.data))
+        else:
+            _ACCUMULATE[self.codec](acc, weight, self.data, self.scales, self.block)
+
+    def segment_sumsq(self, offsets: np.ndarray) -> np.ndarray:
+        """float64[k] sums of squares of each tensor (the squared norms RDA needs)."""
+        if self.codec is Codec.FP32:
+            return kernels.segment_sumsq(self.data, offsets)
+        if self.codec is Codec.INT4:
+            return kernels.segment_sumsq_int4(self.data, self.scales, offsets, self.block)
+        return kernels.segment_sumsq(self.decode(), offsets)
+
+    def rda_accumulate_into(self, acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray) -> None:
+        """acc[seg] += weight * x[seg] / norms[seg] (nothing where the norm is 0)."""
+        if self.codec is Codec.FP32:
+            kernels.rda_accumulate(acc, weight, self.data, offsets, norms)
+        elif self.codec is Codec.INT4:
+            kernels.rda_accumulate_int4(acc, weight, self.data, self.scales, offsets, norms, self.block)
+        else:
+            kernels.rda_accumulate(acc, weight, self.decode(), offsets, norms)
+
+    def all_finite(self) -> bool:
+        """Whether every decoded value is finite, checked without materialising block codecs: codes are
+        bounded, so a block codec is finite exactly when its scales are."""
+        if self.scales is not None:
+            return bool(np.isfinite(self.scales).all())
+        # A float64 sum of squares of finite float32 values cannot overflow at our sizes, so it is
+        # finite exactly when every value is (one pass, no boolean temporary).
+        values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data)
+        bounds = np.asarray([0, values.size], dtype=np.int64)
+        return bool(math.isfinite(float(kernels.segment_sumsq(values, bounds)[0])))
+
+
+def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT) -> bytes:
+    """Header + body for the float32 vector `x`. Raises CodecError on NaN/Inf or a bad length."""
+    codec = parse_codec(codec)
+    x = _check_vector(x)
+    if not np.isfinite(x).all():
+        raise CodecError("cannot encode a vector with NaN or Inf values")
+    n = x.size
+    if codec.is_block:
+        _check_block(codec, block, n)
+        codes, scales = _QUANTIZE[codec](x, block)
+        body = [scales.tobytes(), codes.tobytes()]
+    elif codec is Codec.BF16:
+        body, block = [kernels.to_bf16(x).tobytes()], 0
+    else:
+        body, block = [x.tobytes()], 0
+    size = sum(len(b) for b in body)
+    assert size == codec.body_bytes(n, block)
+    return b"".join([_HEADER.pack(_MAGIC, _FORMAT, codec.ident, 0, block, n, size), *body])
+
+
+def parse(buf: bytes | bytearray | memoryview, *, elements: int | None = None) -> Encoded:
+    """Validate `buf` and return views into it. `elements`, when given, is the size the receiver
+    expects (the fragment's padded size); a payload of another size is refused."""
+    view = memoryview(buf).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        raise CodecError(f"payload of {view.nbytes} bytes is shorter than the {HEADER_BYTES}-byte codec header")
+    magic, fmt, ident, reserved, block, n, size = _HEADER.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise CodecError(f"bad codec magic {magic!r}")
+    if fmt != _FORMAT or reserved != 0:
+        raise CodecError(f"codec format {fmt} (reserved {reserved}) is not format {_FORMAT}")
+    if ident not in _BY_IDENT:
+        raise CodecError(f"unknown codec id {ident}")
+    codec = _BY_IDENT[ident]
+    if n > ELEMENTS_MAX:
+        raise CodecError(f"payload declares {n} elements, above the limit of {ELEMENTS_MAX}")
+    if elements is not None and n != elements:
+        raise CodecError(f"payload has {n} elements, expected {elements}")
+    if codec.is_block:
+        _check_block(codec, block, n)
+    elif block != 0:
+        raise CodecError(f"{codec.value} payload declares block {block}, expected 0")
+    expected = codec.body_bytes(n, block)
+    if size != expected or view.nbytes - HEADER_BYTES != expected:
+        raise CodecError(
+            f"{codec.value} payload of {n} elements needs a {expected}-byte body, "
+            f"header says {size}, buffer has {view.nbytes - HEADER_BYTES}"
+        )
+    body = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
+    if codec is Codec.FP32:
+        return Encoded(codec, 0, n, body.view(np.float32), None)
+    if codec is Codec.BF16:
+        return Encoded(codec, 0, n, body.view(np.uint16), None)
+    nscales = 4 * (n // block)
+    return Encoded(codec, block, n, body[nscales:], body[:nscales].view(np.float32))
+
+
+@dataclass(frozen=True)
+class FeedbackState:
+    """Error feedback (ours): the part of the outer gradient that compression lost last time, added to
+    the next one so that nothing is lost for good."""
+
+    residual: np.ndarray  # float32[n]
+
+
+def feedback_init(elements: int) -> FeedbackState:
+    return FeedbackState(residual=np.zeros(elements, dtype=np.float32))
+
+
+def encode_with_feedback(
+    x: np.ndarray, state: FeedbackState, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT
+) -> tuple[bytes, FeedbackState]:
+    """Encode x + residual; the new residual is what that encoding lost."""
+    x = _check_vector(x)
+    if state.residual.shape != x.shape:
+        raise CodecError(f"feedback residual has shape {state.residual.shape}, vector {x.shape}")
+    target = x + state.residual
+    payload = encode(target, codec, block)
+    return payload, FeedbackState(residual=target - parse(payload).decode())
+
+
+def _check_vector(x: np.ndarray) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1:
+        raise CodecError(f"expected a 1-D float32 array, got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
+    if x.size > ELEMENTS_MAX:
+        raise CodecError(f"{x.size} elements is above the limit of {ELEMENTS_MAX}")
+    return np.ascontiguousarray(x)
+
+
+def _check_block(codec: Codec, block: int, n: int) -> None:
+    multiple = max(2, _CODES_PER_BYTE[codec])
+    if block <= 0 or block % multiple or block > 1 << 20:
+        raise CodecError(f"{codec.value} block must be a positive multiple of {multiple} up to 2^20, got {block}")
+    if n % block:
+        raise CodecError(f"{codec.value}: {n} elements is not a multiple of the block {block}")

@@ -1,0 +1,179 @@
+"""What goes into the syncer core (events) and what comes out of it (effects).
+
+The core never touches a socket, a timer or a file: the shell (the daemon, the simulator, replay)
+turns what it sees into events, calls `syncer.handle(state, event, now)` and carries out the effects
+it gets back. Everything here is a small frozen value; payloads are parsed `Encoded` views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from ddiloco.core.codec import Encoded
+from ddiloco.core.layout import TensorSpec
+
+# ---- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Join:
+    conn: int  # the shell's id for the connection, until the core has assigned a learner id
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    protocol: int
+
+
+@dataclass(frozen=True)
+class InitFragment:
+    """Initial fp32 parameters of one fragment from the learner the syncer asked for them."""
+
+    learner: int
+    fragment: int
+    payload: Encoded
+
+
+@dataclass(frozen=True)
+class Progress:
+    learner: int
+    step: int
+    versions: tuple[int, ...]  # per fragment: the version it holds (-1: none yet)
+    steps: tuple[int, ...]  # per fragment: inner steps since it received that version
+    tokens: tuple[int, ...]  # per fragment: tokens since it received that version
+
+
+@dataclass(frozen=True)
+class Push:
+    learner: int
+    fragment: int
+    round: int
+    base_version: int
+    steps: int
+    tokens: int
+    payload: Encoded
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    fragment: int
+    round: int
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    learner: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MergeCost:
+    """How long the shell took to merge and hand out a fragment: the sync time of the grace formula."""
+
+    seconds: float
+
+
+Event = Union[Join, InitFragment, Progress, Push, TimerFired, Disconnect, MergeCost]
+
+# ---- effects ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendWelcome:
+    conn: int
+    learner: int
+    layout: dict  # Layout.describe() of the syncer's layout
+    digest: str
+    versions: tuple[int, ...]
+    global_step: int
+    needs_init: bool  # the syncer holds no parameters and asks this learner for them
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    learner: int
+    fragment: int
+    round: int
+    base_version: int
+
+
+@dataclass(frozen=True)
+class SendUpdate:
+    learners: tuple[int, ...]
+    fragment: int
+    version: int
+    payload: bytes  # codec bytes (fp32 or bf16), immutable so it can be sent after the next merge
+
+
+@dataclass(frozen=True)
+class SendError:
+    code: str  # one of ERROR_CODES
+    text: str
+    fatal: bool = False
+    learner: int | None = None
+    conn: int | None = None  # for errors before a learner id exists
+
+
+@dataclass(frozen=True)
+class ArmTimer:
+    fragment: int
+    round: int
+    at: float  # on the syncer's monotonic clock
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Close the learner's connection (after any error already emitted)."""
+
+    learner: int | None
+    conn: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class WriteCheckpoint:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Log:
+    level: str  # "info" | "warning"
+    text: str
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A fragment got a new version (for metrics and the status page)."""
+
+    fragment: int
+    version: int
+    learners: tuple[int, ...]
+    weights: tuple[float, ...]  # normalised token weights, in the order of `learners`
+    grace_s: float
+    round_s: float  # round open to close
+
+
+Effect = Union[SendWelcome, SendRequest, SendUpdate, SendError, ArmTimer, Drop, WriteCheckpoint, Log, Merged]
+
+ERROR_CODES = (
+    "bad_layout",
+    "bad_shape",
+    "non_finite",
+    "stale",
+    "late",
+    "duplicate",
+    "unknown_round",
+    "not_live",
+    "bad_counters",
+    "protocol_version",
+    "overloaded",
+    "unexpected",
+)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a push was refused: the error code and the text the learner and the log see."""
+
+    code: str
+    text: str
+    fate: str = field(default="rejected")

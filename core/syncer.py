@@ -1,0 +1,569 @@
+"""The syncer state machine: `handle(state, event, now) -> (state, effects)`.
+
+ALGORITHM.md, "Syncer: one round of fragment p". The same code runs in the daemon, the simulator and
+replay. It is sans-I/O and deterministic: `now` is the syncer's monotonic clock, passed in; ties are
+broken by learner id; nothing reads a global RNG.
+
+The state owns the global fragments (tens of millions of floats), so `handle` updates it in place and
+returns it rather than copying it per event; everything the syncer knows lives in this one value.
+
+Round life: a round of fragment p opens when the global step (the step of the K-th most advanced live
+learner) reaches a step t with t mod H == t_p. Every live learner is asked for its outer gradient.
+Admissible pushes are kept; when K have arrived the grace window is computed, and the round closes
+when it expires, when every asked learner that is still connected has delivered, or when the next
+round of the same fragment opens. Closing merges (mean or RDA, token weighted), applies the outer
+Nesterov step, bumps the version and broadcasts the fragment.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddiloco.core import codec as codecs
+from ddiloco.core import outer
+from ddiloco.core.config import SyncerConfig
+from ddiloco.core.events import (
+    ArmTimer,
+    Disconnect,
+    Drop,
+    Effect,
+    Event,
+    InitFragment,
+    Join,
+    Log,
+    MergeCost,
+    Merged,
+    Progress,
+    Push,
+    Rejection,
+    SendError,
+    SendRequest,
+    SendUpdate,
+    SendWelcome,
+    TimerFired,
+    WriteCheckpoint,
+)
+from ddiloco.core.grace import Timing, grace_seconds, observe
+from ddiloco.core.layout import Layout, LayoutError, build_layout
+from ddiloco.core.ledger import Ledger
+from ddiloco.core.merge import Contribution, merge
+from ddiloco.core.schedule import Schedule
+from ddiloco.core.weights import token_weight
+
+PROTOCOL_VERSION = 1
+
+
+class LearnerStatus(str, enum.Enum):
+    JOINING = "joining"  # welcomed, waiting for the syncer to hold parameters
+    INITIALIZING = "initializing"  # asked to send the initial parameters
+    RECOVERING = "recovering"  # holds not yet a received version of every fragment; weight 0
+    LIVE = "live"
+    GONE = "gone"
+
+
+@dataclass
+class LearnerRecord:
+    id: int
+    name: str
+    conn: int
+    status: LearnerStatus
+    joined_at: float
+    last_seen: float
+    step: int = 0
+    versions: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    caught_up_at: float | None = None
+
+
+@dataclass
+class PendingPush:
+    weight: float
+    steps: int
+    tokens: int
+    payload: codecs.Encoded
+
+
+@dataclass
+class Round:
+    number: int
+    opened_at: float
+    opened_step: int
+    asked: tuple[int, ...]
+    pushes: dict[int, PendingPush] = field(default_factory=dict)
+    quorum_at: float | None = None
+    grace_s: float = 0.0
+
+
+@dataclass
+class FragmentState:
+    theta: np.ndarray | None  # float32[padded], the global copy; None until initialised
+    momentum: outer.NesterovState | None
+    version: int = 0
+    rounds_opened: int = 0
+    open: Round | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    fragment: int
+    round: int
+    outcome: str  # "merged" | "skipped"
+    version: int
+    reason: str
+
+
+@dataclass
+class SyncerState:
+    config: SyncerConfig
+    layout: Layout | None
+    schedule: Schedule
+    fragments: list[FragmentState]
+    learners: dict[int, LearnerRecord] = field(default_factory=dict)
+    next_learner: int = 1
+    global_step: int = 0
+    global_step_at: float | None = None
+    timing: Timing = field(default_factory=Timing)
+    ledger: Ledger = field(default_factory=Ledger)
+    decisions: deque = field(default_factory=deque)
+    merges: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+    merges_since_checkpoint: int = 0
+    checkpoint_at: float = 0.0
+    init_source: str = ""  # "file", or "learner N" when a learner's hello seeded version 0
+
+    @property
+    def holds_parameters(self) -> bool:
+        return bool(self.fragments) and all(f.theta is not None for f in self.fragments)
+
+    def live(self) -> list[LearnerRecord]:
+        return [r for _, r in sorted(self.learners.items()) if r.status is LearnerStatus.LIVE]
+
+    def connected(self) -> list[LearnerRecord]:
+        return [r for _, r in sorted(self.learners.items()) if r.status is not LearnerStatus.GONE]
+
+
+def new_state(config: SyncerConfig, layout: Layout | None = None, params: list[np.ndarray] | None = None) -> SyncerState:
+    """A syncer holding `params` (one float32[padded] per fragment of `layout`), or nothing yet: then
+    the first learner's hello decides the layout and that learner is asked for the initial values."""
+    if params is not None and layout is None:
+        raise ValueError("initial parameters need their layout")
+    num = config.num_fragments
+    if layout is not None and layout.num_fragments != num:
+        raise ValueError(f"layout has {layout.num_fragments} fragments, config says {num}")
+    state = SyncerState(
+        config=config,
+        layout=layout,
+        schedule=Schedule(config.period, num, config.grace.overlap),
+        fragments=[FragmentState(theta=None, momentum=None) for _ in range(num)],
+    )
+    if params is not None:
+        for p, values in enumerate(params):
+            _hold(state, p, _checked_params(layout, p, values))
+        state.init_source = "file"
+    return state
+
+
+def handle(state: SyncerState, event: Event, now: float) -> tuple[SyncerState, list[Effect]]:
+    """Advance the syncer by one event. Expected faults are events; a broken invariant asserts."""
+    handler = _HANDLERS[type(event)]
+    effects: list[Effect] = []
+    handler(state, event, now, effects)
+    _maybe_checkpoint(state, now, effects)
+    return state, effects
+
+
+# ---- joining and initial parameters ----------------------------------------------------------------
+
+
+def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> None:
+    cfg = state.config
+    if ev.protocol != PROTOCOL_VERSION:
+        out.append(SendError("protocol_version", f"syncer speaks protocol {PROTOCOL_VERSION}, learner {ev.protocol}", True, conn=ev.conn))
+        out.append(Drop(None, ev.conn, "protocol version"))
+        return
+    if len(state.connected()) >= cfg.learners_max:
+        out.append(SendError("overloaded", f"syncer already serves {cfg.learners_max} learners", True, conn=ev.conn))
+        out.append(Drop(None, ev.conn, "learners_max"))
+        return
+    try:
+        theirs = build_layout(ev.tensors, cfg.num_fragments, cfg.strategy, cfg.block)
+    except LayoutError as exc:
+        out.append(SendError("bad_layout", f"cannot lay out the learner's tensors: {exc}", True, conn=ev.conn))
+        out.append(Drop(None, ev.conn, "bad layout"))
+        return
+    if state.layout is not None and theirs.digest != state.layout.digest:
+        out.append(SendError("bad_layout", _layout_difference(state.layout, theirs), True, conn=ev.conn))
+        out.append(Drop(None, ev.conn, "layout mismatch"))
+        return
+    if state.layout is None:
+        state.layout = theirs
+    learner = state.next_learner
+    state.next_learner += 1
+    num = cfg.num_fragments
+    rec = LearnerRecord(learner, ev.name, ev.conn, LearnerStatus.JOINING, now, now, 0, [-1] * num, [0] * num, [0] * num)
+    state.learners[learner] = rec
+    needs_init = not state.holds_parameters and not any(
+        r.status is LearnerStatus.INITIALIZING for r in state.learners.values()
+    )
+    if needs_init:
+        rec.status = LearnerStatus.INITIALIZING
+        out.append(Log("info", f"learner {learner} ({ev.name}) joined; the syncer holds no parameters, asking it for version 0"))
+    else:
+        rec.status = LearnerStatus.RECOVERING if state.holds_parameters else LearnerStatus.JOINING
+        out.append(Log("info", f"learner {learner} ({ev.name}) joined as {rec.status.value}"))
+    out.append(
+        SendWelcome(
+            ev.conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, needs_init
+        )
+    )
+    if rec.status is LearnerStatus.RECOVERING:
+        out.extend(_full_update(state, (learner,)))
+
+
+def _on_init(state: SyncerState, ev: InitFragment, now: float, out: list[Effect]) -> None:
+    rec = state.learners.get(ev.learner)
+    if rec is None or rec.status is not LearnerStatus.INITIALIZING:
+        # Only the learner asked may seed the global state: a learner's local weights never become
+        # global state otherwise.
+        _reject(state, ev.learner, Rejection("not_live", "initial parameters were not asked of this learner"), out)
+        return
+    try:
+        values = _checked_params(state.layout, ev.fragment, ev.payload.decode() if ev.payload.codec is codecs.Codec.FP32 else None)
+    except ValueError as exc:
+        _reject(state, ev.learner, Rejection("bad_shape", f"initial fragment {ev.fragment}: {exc}"), out)
+        return
+    frag = state.fragments[ev.fragment]
+    if frag.theta is not None:
+        _reject(state, ev.learner, Rejection("duplicate", f"fragment {ev.fragment} is already initialised"), out)
+        return
+    _hold(state, ev.fragment, values)
+    rec.versions[ev.fragment] = 0
+    if not state.holds_parameters:
+        return
+    state.init_source = f"learner {rec.id}"
+    rec.status = LearnerStatus.LIVE
+    rec.caught_up_at = now
+    out.append(Log("info", f"version 0 of every fragment taken from learner {rec.id}'s initial parameters"))
+    waiting = tuple(r.id for r in state.connected() if r.status is LearnerStatus.JOINING)
+    for r in waiting:
+        state.learners[r].status = LearnerStatus.RECOVERING
+    if waiting:
+        out.extend(_full_update(state, waiting))
+
+
+def _hold(state: SyncerState, p: int, values: np.ndarray) -> None:
+    frag = state.fragments[p]
+    frag.theta = values
+    frag.momentum = outer.init(values)
+
+
+def _checked_params(layout: Layout, p: int, values: np.ndarray | None) -> np.ndarray:
+    if values is None:
+        raise ValueError("initial parameters must be sent as fp32")
+    if not 0 <= p < layout.num_fragments:
+        raise ValueError(f"fragment index {p} out of range [0, {layout.num_fragments})")
+    spec = layout.fragments[p]
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if values.shape != (spec.padded_size,):
+        raise ValueError(f"fragment {p} needs {spec.padded_size} values, got shape {values.shape}")
+    if not np.isfinite(values).all():
+        raise ValueError(f"fragment {p} has NaN or Inf values")
+    return values.copy()
+
+
+# ---- progress, the global step and opening rounds --------------------------------------------------
+
+
+def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]) -> None:
+    rec = state.learners.get(ev.learner)
+    if rec is None or rec.status is LearnerStatus.GONE:
+        return  # a message still in flight from a learner already gone
+    num = state.config.num_fragments
+    if not (len(ev.versions) == len(ev.steps) == len(ev.tokens) == num) or ev.step < 0:
+        _reject(state, ev.learner, Rejection("bad_counters", f"progress must carry {num} versions, steps and tokens"), out)
+        return
+    if any(s < 0 or t < 0 or (s == 0 and t > 0) for s, t in zip(ev.steps, ev.tokens)):
+        _reject(state, ev.learner, Rejection("bad_counters", "negative counters, or tokens without steps"), out)
+        return
+    rec.last_seen = now
+    rec.step = ev.step
+    for p in range(num):
+        reset = ev.versions[p] != rec.versions[p]
+        state.ledger.report(rec.id, p, ev.tokens[p], reset=reset)
+    rec.versions, rec.steps, rec.tokens = list(ev.versions), list(ev.steps), list(ev.tokens)
+    if rec.status is LearnerStatus.RECOVERING and all(v >= 0 for v in rec.versions) and state.holds_parameters:
+        rec.status = LearnerStatus.LIVE
+        rec.caught_up_at = now
+        out.append(Log("info", f"learner {rec.id} caught up after {now - rec.joined_at:.3f} s and is live"))
+    _advance_global_step(state, now, out)
+
+
+def _advance_global_step(state: SyncerState, now: float, out: list[Effect]) -> None:
+    live = state.live()
+    if not live or not state.holds_parameters:
+        return
+    steps = sorted((r.step for r in live), reverse=True)
+    target = steps[min(state.config.quorum, len(steps)) - 1]
+    if target <= state.global_step:
+        return
+    if state.global_step_at is not None:
+        per_step = (now - state.global_step_at) / (target - state.global_step)
+        state.timing = observe(state.timing, state.config.grace, step_s=per_step)
+    previous, state.global_step, state.global_step_at = state.global_step, target, now
+    for step, p in state.schedule.opened_between(previous + 1, target + 1):
+        _open_round(state, p, step, now, out)
+
+
+def _open_round(state: SyncerState, p: int, step: int, now: float, out: list[Effect]) -> None:
+    frag = state.fragments[p]
+    if frag.open is not None:
+        _close_round(state, p, now, out, why="next round of the fragment opened")
+    frag.rounds_opened += 1
+    asked = tuple(r.id for r in state.live())
+    frag.open = Round(frag.rounds_opened, now, step, asked)
+    for learner in asked:
+        out.append(SendRequest(learner, p, frag.rounds_opened, frag.version))
+
+
+# ---- pushes -----------------------------------------------------------------------------------------
+
+
+def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> None:
+    rec = state.learners.get(ev.learner)
+    if rec is None or rec.status is LearnerStatus.GONE:
+        return
+    rec.last_seen = now
+    rejection = _admit(state, rec, ev)
+    if rejection is not None:
+        if _valid_fragment(state, ev.fragment):
+            state.ledger.fate(ev.learner, ev.fragment, ev.tokens, rejection.fate)
+        _reject(state, ev.learner, rejection, out)
+        if rejection.code == "stale":
+            out.append(_update_for(state, ev.fragment, (ev.learner,)))
+        return
+    frag = state.fragments[ev.fragment]
+    rnd = frag.open
+    rnd.pushes[ev.learner] = PendingPush(token_weight(ev.tokens, ev.steps), ev.steps, ev.tokens, ev.payload)
+    _after_delivery(state, ev.fragment, now, out)
+
+
+def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None:
+    if rec.status is not LearnerStatus.LIVE:
+        return Rejection("not_live", f"learner {rec.id} is {rec.status.value}; only live learners contribute")
+    if not _valid_fragment(state, ev.fragment):
+        return Rejection("bad_shape", f"fragment {ev.fragment} does not exist")
+    frag = state.fragments[ev.fragment]
+    rnd = frag.open
+    if rnd is None or ev.round < rnd.number:
+        return Rejection("late", f"round {ev.round} of fragment {ev.fragment} is closed", fate="late")
+    if ev.round > rnd.number:
+        return Rejection("unknown_round", f"fragment {ev.fragment} has no round {ev.round} (open: {rnd.number})")
+    if ev.base_version != frag.version:
+        return Rejection(
+            "stale", f"fragment {ev.fragment}: base version {ev.base_version}, current {frag.version}", fate="stale"
+        )
+    if ev.learner in rnd.pushes:
+        return Rejection("duplicate", f"learner {ev.learner} already pushed round {ev.round} of fragment {ev.fragment}")
+    padded = state.layout.fragments[ev.fragment].padded_size
+    if ev.payload.elements != padded:
+        return Rejection("bad_shape", f"fragment {ev.fragment} has {padded} elements, push has {ev.payload.elements}")
+    if ev.payload.codec.value not in state.config.push_codecs:
+        return Rejection("bad_shape", f"codec {ev.payload.codec.value} not accepted (accepted: {state.config.push_codecs})")
+    if ev.steps < 0 or ev.tokens < 0 or (ev.steps == 0 and ev.tokens > 0):
+        return Rejection("bad_counters", f"counters steps={ev.steps} tokens={ev.tokens}")
+    if not ev.payload.all_finite():
+        return Rejection("non_finite", f"outer gradient of fragment {ev.fragment} has NaN or Inf values")
+    return None
+
+
+def _valid_fragment(state: SyncerState, p: int) -> bool:
+    return isinstance(p, int) and 0 <= p < state.config.num_fragments and state.layout is not None
+
+
+def _after_delivery(state: SyncerState, p: int, now: float, out: list[Effect]) -> None:
+    """Quorum and grace: decide whether round p closes now, later, or waits."""
+    rnd = state.fragments[p].open
+    delivered = [m for m, push in rnd.pushes.items() if push.weight > 0]
+    if len(delivered) < state.config.quorum:
+        return
+    if rnd.quorum_at is None:
+        rnd.quorum_at = now
+        state.timing = observe(state.timing, state.config.grace, quorum_s=now - rnd.opened_at)
+        rnd.grace_s, why = grace_seconds(state.timing, state.config.grace)
+        if rnd.grace_s > 0 and not _all_delivered(state, rnd):
+            out.append(ArmTimer(p, rnd.number, now + rnd.grace_s))
+            return
+        _close_round(state, p, now, out, why=why if rnd.grace_s == 0 else "every asked learner delivered")
+    elif _all_delivered(state, rnd):
+        _close_round(state, p, now, out, why="every asked learner delivered within the grace window")
+
+
+def _all_delivered(state: SyncerState, rnd: Round) -> bool:
+    waiting = [m for m in rnd.asked if state.learners[m].status is LearnerStatus.LIVE and m not in rnd.pushes]
+    return not waiting
+
+
+def _on_timer(state: SyncerState, ev: TimerFired, now: float, out: list[Effect]) -> None:
+    if not 0 <= ev.fragment < len(state.fragments):
+        return
+    rnd = state.fragments[ev.fragment].open
+    if rnd is None or rnd.number != ev.round or rnd.quorum_at is None:
+        return  # the round closed already; timers are never cancelled, they just find nothing to do
+    _close_round(state, ev.fragment, now, out, why=f"grace window of {rnd.grace_s * 1000:.0f} ms expired")
+
+
+# ---- closing a round: merge, outer step, broadcast -------------------------------------------------------
+
+
+def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why: str) -> None:
+    frag = state.fragments[p]
+    rnd = frag.open
+    frag.open = None
+    contributions = [Contribution(m, push.weight, push.payload) for m, push in sorted(rnd.pushes.items())]
+    positive = [c for c in contributions if c.weight > 0]
+    missing = [m for m in rnd.asked if m not in rnd.pushes]
+    if len(positive) < state.config.quorum:
+        for m, push in rnd.pushes.items():
+            state.ledger.fate(m, p, push.tokens, "late")
+        _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{state.config.quorum} ({why})", out)
+        return
+    spec = state.layout.fragments[p]
+    delta, info = merge(positive, spec, state.config.merge)
+    frag.theta, frag.momentum = outer.update(frag.momentum, frag.theta, delta, state.config.outer, donate=True)
+    frag.version += 1
+    state.merges += 1
+    state.merges_since_checkpoint += 1
+    for m, push in rnd.pushes.items():
+        state.ledger.fate(m, p, push.tokens, "merged" if push.weight > 0 else "late")
+    late_text = f"; missing {', '.join(f'learner {m}' for m in missing)}" if missing else ""
+    waited = (now - rnd.quorum_at) * 1000 if rnd.quorum_at is not None else 0.0
+    fallback = f"; mean fallback for {len(info.mean_fallback_tensors)} tensors" if info.mean_fallback_tensors else ""
+    reason = (
+        f"merged {len(positive)}/{len(rnd.asked)} (quorum {state.config.quorum}) after {waited:.0f} ms of grace: "
+        f"{why}{late_text}{fallback}"
+    )
+    _decide(state, now, p, rnd, "merged", reason, out)
+    out.append(_update_for(state, p, tuple(r.id for r in state.connected() if r.status in _RECEIVERS)))
+    out.append(Merged(p, frag.version, info.learners, info.weights, rnd.grace_s, now - rnd.opened_at))
+
+
+_RECEIVERS = (LearnerStatus.LIVE, LearnerStatus.RECOVERING)
+
+
+def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, reason: str, out: list[Effect]) -> None:
+    decision = Decision(now, p, rnd.number, outcome, state.fragments[p].version, reason)
+    state.decisions.append(decision)
+    while len(state.decisions) > state.config.decisions_kept:
+        state.decisions.popleft()
+    out.append(Log("info", f"fragment {p} round {rnd.number}: {reason}"))
+
+
+def _update_for(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUpdate:
+    frag = state.fragments[p]
+    payload = codecs.encode(frag.theta, state.config.broadcast_codec)
+    return SendUpdate(learners, p, frag.version, payload)
+
+
+def _full_update(state: SyncerState, learners: tuple[int, ...]) -> list[Effect]:
+    return [_update_for(state, p, learners) for p in range(len(state.fragments))]
+
+
+# ---- learners leaving, costs, checkpoints, rejections --------------------------------------------------
+
+
+def _on_disconnect(state: SyncerState, ev: Disconnect, now: float, out: list[Effect]) -> None:
+    rec = state.learners.get(ev.learner)
+    if rec is None or rec.status is LearnerStatus.GONE:
+        return
+    was = rec.status
+    rec.status = LearnerStatus.GONE
+    state.ledger.learner_gone(rec.id)
+    out.append(Log("warning", f"learner {rec.id} ({rec.name}) gone: {ev.reason}"))
+    if was is LearnerStatus.INITIALIZING:
+        _hand_over_init(state, out)
+    # Its delivered pushes stay valid; rounds that only waited for it may close now.
+    for p, frag in enumerate(state.fragments):
+        if frag.open is not None and frag.open.quorum_at is not None and _all_delivered(state, frag.open):
+            _close_round(state, p, now, out, why=f"learner {rec.id} left, every other asked learner delivered")
+
+
+def _hand_over_init(state: SyncerState, out: list[Effect]) -> None:
+    """The learner asked for version 0 died half-way: forget its partial fragments, ask the next."""
+    for frag in state.fragments:
+        frag.theta, frag.momentum = None, None
+    nxt = next((r for r in state.connected() if r.status is LearnerStatus.JOINING), None)
+    if nxt is None:
+        return
+    nxt.status = LearnerStatus.INITIALIZING
+    nxt.versions = [-1] * state.config.num_fragments
+    out.append(Log("info", f"asking learner {nxt.id} for the initial parameters instead"))
+    out.append(SendWelcome(nxt.conn, nxt.id, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, True))
+
+
+def _on_cost(state: SyncerState, ev: MergeCost, now: float, out: list[Effect]) -> None:
+    state.timing = observe(state.timing, state.config.grace, sync_s=ev.seconds)
+
+
+def _maybe_checkpoint(state: SyncerState, now: float, out: list[Effect]) -> None:
+    cfg = state.config
+    if not state.merges_since_checkpoint:
+        return
+    by_count = cfg.checkpoint_every_merges and state.merges_since_checkpoint >= cfg.checkpoint_every_merges
+    by_time = cfg.checkpoint_every_s and now - state.checkpoint_at >= cfg.checkpoint_every_s
+    if by_count or by_time:
+        out.append(WriteCheckpoint(f"{state.merges_since_checkpoint} merges since the last checkpoint"))
+        state.merges_since_checkpoint = 0
+        state.checkpoint_at = now
+
+
+def _reject(state: SyncerState, learner: int, rejection: Rejection, out: list[Effect]) -> None:
+    state.rejections[rejection.code] = state.rejections.get(rejection.code, 0) + 1
+    out.append(SendError(rejection.code, rejection.text, False, learner=learner))
+    out.append(Log("warning", f"learner {learner}: rejected ({rejection.code}): {rejection.text}"))
+
+
+def _versions(state: SyncerState) -> tuple[int, ...]:
+    return tuple(f.version if f.theta is not None else -1 for f in state.fragments)
+
+
+def _layout_difference(ours: Layout, theirs: Layout) -> str:
+    mine = {t.path: t for t in ours.tensors}
+    other = {t.path: t for t in theirs.tensors}
+    only_ours = sorted(set(mine) - set(other))[:3]
+    only_theirs = sorted(set(other) - set(mine))[:3]
+    changed = sorted(p for p in set(mine) & set(other) if mine[p] != other[p])[:3]
+    return (
+        f"layout digest {theirs.digest[:12]} does not match the syncer's {ours.digest[:12]}: "
+        f"missing {only_ours}, unexpected {only_theirs}, different shape/dtype/embedding {changed}"
+    )
+
+
+def state_hash(state: SyncerState) -> str:
+    """A hash of everything a resumed syncer must reproduce: layout, versions, parameters, momentum."""
+    h = hashlib.sha256()
+    h.update((state.layout.digest if state.layout else "").encode())
+    for frag in state.fragments:
+        h.update(f"{frag.version}:{frag.rounds_opened};".encode())
+        if frag.theta is not None:
+            h.update(frag.theta.tobytes())
+            h.update(frag.momentum.buf.tobytes())
+    h.update(f"step={state.global_step};merges={state.merges}".encode())
+    return h.hexdigest()
+
+
+_HANDLERS = {
+    Join: _on_join,
+    InitFragment: _on_init,
+    Progress: _on_progress,
+    Push: _on_push,
+    TimerFired: _on_timer,
+    Disconnect: _on_disconnect,
+    MergeCost: _on_cost,
+}

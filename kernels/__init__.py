@@ -1,0 +1,1 @@
+"""numba CPU kernels behind validating wrappers, each with a numpy reference."""

@@ -1,0 +1,1 @@
+"""The JAX side: pytree <-> fragments, the sync hook, reference models and the demo."""

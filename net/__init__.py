@@ -1,0 +1,1 @@
+"""The wire, the aiohttp syncer server, the async client."""

@@ -1,0 +1,129 @@
+"""What the syncer tells the outside: Prometheus metrics and the /status JSON.
+
+Counters are updated by the daemon from the effects the core returns and from the bytes it moves;
+the status document is read off the core state. Both are read-only views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddiloco.core.syncer import LearnerStatus, SyncerState
+from ddiloco.core.weights import token_weight
+
+# Round latency buckets in seconds (a Prometheus histogram).
+ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Metrics:
+    merges: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    frames_in: int = 0
+    frames_out: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # by reason (error code)
+    wire_errors: dict[str, int] = field(default_factory=dict)  # malformed input dropped at the boundary
+    grace_s_last: float = 0.0
+    round_counts: list[int] = field(default_factory=lambda: [0] * (len(ROUND_BUCKETS_S) + 1))
+    round_sum_s: float = 0.0
+    merge_kernel_s: float = 0.0  # time spent in the core's merge path (kernels), summed
+    checkpoints: int = 0
+    checkpoint_failures: int = 0
+    dropped_slow: int = 0
+
+    def observe_round(self, seconds: float) -> None:
+        for i, bound in enumerate(ROUND_BUCKETS_S):
+            if seconds <= bound:
+                self.round_counts[i] += 1
+                break
+        else:
+            self.round_counts[-1] += 1
+        self.round_sum_s += seconds
+
+    def count(self, table: dict[str, int], reason: str) -> None:
+        table[reason] = table.get(reason, 0) + 1
+
+
+def render_prometheus(metrics: Metrics, state: SyncerState) -> str:
+    """The Prometheus text exposition format (version 0.0.4)."""
+    live = sum(1 for r in state.learners.values() if r.status is LearnerStatus.LIVE)
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP ddiloco_{name} {help_text}")
+        lines.append(f"# TYPE ddiloco_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"ddiloco_{name}{labels} {value:g}" if isinstance(value, float) else f"ddiloco_{name}{labels} {value}")
+
+    metric("merges_total", "counter", "Fragment merges applied.", [("", state.merges)])
+    reasons = sorted(set(state.rejections) | set(metrics.rejected))
+    metric(
+        "rejected_pushes_total", "counter", "Messages refused by the syncer core, by reason.",
+        [(f'{{reason="{r}"}}', state.rejections.get(r, 0)) for r in reasons],
+    )
+    metric(
+        "wire_errors_total", "counter", "Frames refused at the wire boundary, by code.",
+        [(f'{{code="{c}"}}', n) for c, n in sorted(metrics.wire_errors.items())],
+    )
+    metric("bytes_in_total", "counter", "Payload bytes received.", [("", metrics.bytes_in)])
+    metric("bytes_out_total", "counter", "Payload bytes sent.", [("", metrics.bytes_out)])
+    metric("grace_window_seconds", "gauge", "Grace window chosen for the last round.", [("", float(metrics.grace_s_last))])
+    metric("learners_live", "gauge", "Learners live (contributing).", [("", live)])
+    metric("learners_connected", "gauge", "Learners connected, any state.",
+           [("", sum(1 for r in state.learners.values() if r.status is not LearnerStatus.GONE))])
+    metric("global_step", "gauge", "Step of the K-th most advanced live learner.", [("", state.global_step)])
+    metric("checkpoints_total", "counter", "Checkpoints written.", [("", metrics.checkpoints)])
+    metric("checkpoint_failures_total", "counter", "Checkpoints that could not be written.", [("", metrics.checkpoint_failures)])
+    metric("learners_dropped_slow_total", "counter", "Learners dropped for not reading.", [("", metrics.dropped_slow)])
+    for name, value in state.ledger.summary().items():
+        lines.append(f'ddiloco_tokens{{fate="{name}"}} {value}')
+    lines.append("# HELP ddiloco_round_seconds Round latency, open to merge.")
+    lines.append("# TYPE ddiloco_round_seconds histogram")
+    cumulative = 0
+    for bound, n in zip(ROUND_BUCKETS_S, metrics.round_counts):
+        cumulative += n
+        lines.append(f'ddiloco_round_seconds_bucket{{le="{bound:g}"}} {cumulative}')
+    cumulative += metrics.round_counts[-1]
+    lines.append(f'ddiloco_round_seconds_bucket{{le="+Inf"}} {cumulative}')
+    lines.append(f"ddiloco_round_seconds_sum {metrics.round_sum_s:g}")
+    lines.append(f"ddiloco_round_seconds_count {cumulative}")
+    return "\n".join(lines) + "\n"
+
+
+def status_document(state: SyncerState, metrics: Metrics, now: float, uptime_s: float) -> dict:
+    """The /status JSON: learners, fragments, last decisions with reasons, the token ledger."""
+    learners = []
+    for lid, r in sorted(state.learners.items()):
+        if r.status is LearnerStatus.GONE:
+            continue
+        weights = [token_weight(t, s) for t, s in zip(r.tokens, r.steps)]
+        learners.append({
+            "id": lid, "name": r.name, "status": r.status.value, "step": r.step,
+            "last_seen_s_ago": round(now - r.last_seen, 3), "tokens": list(r.tokens), "weights": weights,
+            "versions": list(r.versions),
+        })
+    fragments = [
+        {"index": p, "version": f.version, "elements": state.layout.fragments[p].padded_size if state.layout else 0,
+         "round_open": f.open.number if f.open else None}
+        for p, f in enumerate(state.fragments)
+    ]
+    decisions = [
+        {"at_s": round(d.at, 3), "fragment": d.fragment, "round": d.round, "outcome": d.outcome,
+         "version": d.version, "reason": d.reason}
+        for d in list(state.decisions)[-16:]
+    ]
+    return {
+        "global_step": state.global_step,
+        "merges": state.merges,
+        "uptime_s": round(uptime_s, 3),
+        "init_source": state.init_source,
+        "config": state.config.to_dict(),
+        "layout_digest": state.layout.digest if state.layout else None,
+        "learners": learners,
+        "fragments": fragments,
+        "decisions": decisions,
+        "ledger": state.ledger.summary(),
+        "bytes_in": metrics.bytes_in,
+        "bytes_out": metrics.bytes_out,
+    }

@@ -1,0 +1,107 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ddiloco.core import codec
+from ddiloco.core.layout import TensorSpec, build_layout
+from ddiloco.core.merge import Contribution, MergeMethod, merge
+
+
+def one_fragment(sizes, embedding=()):
+    ts = [TensorSpec(f"t{i}", (s,), embedding=(i in embedding)) for i, s in enumerate(sizes)]
+    return build_layout(ts, 1, block=128).fragments[0]
+
+
+def contrib(learner, weight, vec, name="fp32"):
+    return Contribution(learner, weight, codec.parse(codec.encode(vec, name)))
+
+
+def padded(frag, *parts):
+    v = np.zeros(frag.padded_size, dtype=np.float32)
+    v[: frag.size] = np.concatenate(parts)
+    return v
+
+
+def reference_rda(vectors, weights, frag):
+    """Straight from ALGORITHM.md: per tensor, weighted mean norm times unit of weighted mean unit."""
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    out = np.zeros(frag.padded_size)
+    for seg in frag.segments:
+        lo, hi = seg.offset, seg.stop
+        vs = [v[lo:hi].astype(np.float64) for v in vectors]
+        norms = [np.linalg.norm(v) for v in vs]
+        if seg.tensor.embedding:
+            out[lo:hi] = sum(wi * v for wi, v in zip(w, vs))
+            continue
+        units = [v / n if n > 0 else np.zeros_like(v) for v, n in zip(vs, norms)]
+        direction = sum(wi * u for wi, u in zip(w, units))
+        radial = sum(wi * n for wi, n in zip(w, norms))
+        out[lo:hi] = radial * direction / np.linalg.norm(direction)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6), data=st.data())
+def test_rda_matches_formula_and_is_permutation_invariant(seed, m, data):
+    rng = np.random.default_rng(seed)
+    frag = one_fragment([130, 7, 64], embedding=(1,))
+    vecs = [padded(frag, *(rng.standard_normal(s).astype(np.float32) for s in (130, 7, 64))) for _ in range(m)]
+    weights = list(rng.uniform(0.1, 5.0, m))
+    cs = [contrib(i + 1, w, v) for i, (w, v) in enumerate(zip(weights, vecs))]
+    got, info = merge(cs, frag, "rda")
+    np.testing.assert_allclose(got, reference_rda(vecs, weights, frag), rtol=2e-4, atol=2e-5)
+    assert not got[frag.size :].any()
+    shuffled = data.draw(st.permutations(cs))
+    again, _ = merge(shuffled, frag, "rda")
+    np.testing.assert_array_equal(again, got)  # summation in learner order: bit-identical
+    assert sum(info.weights) == pytest.approx(1.0)
+
+
+def test_mean_and_zero_weight_learners_ignored():
+    frag = one_fragment([256])
+    a, b = (np.full(256, x, dtype=np.float32) for x in (1.0, 3.0))
+    got, info = merge([contrib(1, 1.0, a), contrib(2, 3.0, b), contrib(3, 0.0, np.full(256, 1e6, dtype=np.float32))], frag, "mean")
+    np.testing.assert_allclose(got, 0.25 * 1 + 0.75 * 3)
+    assert info.learners == (1, 2)
+
+
+def test_rda_keeps_norm_of_orthogonal_vectors_mean_shrinks():
+    m, n = 8, 1024
+    frag = one_fragment([n])
+    eye = np.eye(n, dtype=np.float32)[:m] * 2.0  # equal norm 2, orthogonal
+    cs = [contrib(i + 1, 1.0, eye[i]) for i in range(m)]
+    rda, _ = merge(cs, frag, "rda")
+    mean, _ = merge(cs, frag, "mean")
+    assert np.linalg.norm(rda) == pytest.approx(2.0, rel=1e-5)
+    assert np.linalg.norm(mean) == pytest.approx(2.0 / np.sqrt(m), rel=1e-5)
+
+
+def test_rda_falls_back_to_mean_when_direction_vanishes():
+    frag = one_fragment([128, 128])
+    v = np.random.default_rng(1).standard_normal(256).astype(np.float32)
+    w = v.copy()
+    w[:128] = -v[:128]  # tensor 0 cancels exactly, tensor 1 agrees
+    got, info = merge([contrib(1, 1.0, v), contrib(2, 1.0, w)], frag, "rda")
+    assert info.mean_fallback_tensors == ("t0",)
+    np.testing.assert_allclose(got[:128], 0.0, atol=1e-6)
+    np.testing.assert_allclose(got[128:], v[128:], rtol=1e-5)
+
+
+def test_int4_contributions_merge_like_their_decoded_values():
+    rng = np.random.default_rng(2)
+    frag = one_fragment([500, 12])
+    vecs = [padded(frag, rng.standard_normal(500).astype(np.float32), rng.standard_normal(12).astype(np.float32)) for _ in range(3)]
+    cs = [contrib(i, 1.0 + i, v, "int4") for i, v in enumerate(vecs)]
+    decoded = [c.payload.decode() for c in cs]
+    got, _ = merge(cs, frag, "rda")
+    np.testing.assert_allclose(got, reference_rda(decoded, [1.0, 2.0, 3.0], frag), rtol=2e-4, atol=2e-5)
+
+
+def test_bad_merges():
+    frag = one_fragment([256])
+    with pytest.raises(ValueError, match="positive weight"):
+        merge([contrib(1, 0.0, np.zeros(256, dtype=np.float32))], frag)
+    with pytest.raises(ValueError, match="duplicate learner"):
+        merge([contrib(1, 1.0, np.zeros(256, dtype=np.float32))] * 2, frag)
+    with pytest.raises(ValueError, match="payload of 128 elements"):
+        merge([contrib(1, 1.0, np.zeros(128, dtype=np.float32))], frag)
