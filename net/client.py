@@ -1,0 +1,277 @@
+"""The learner's side of the wire: an asyncio client, and a thread-backed facade for training loops.
+
+`SyncerClient` keeps one websocket to the syncer: it says hello, reconnects with capped exponential
+backoff when the connection drops (a syncer that restarts only means no merges for a while), and
+sorts what arrives into an inbox: the welcome, fragment requests, fragment updates (the newest
+version of each fragment wins) and errors. Outgoing control messages (progress) go before bulk
+frames (pushes), and every queue is bounded.
+
+`ThreadedClient` runs a `SyncerClient` on its own event loop in a background thread, so a training
+loop calls plain methods that never wait on the network.
+
+Fatal answers (wrong token, a layout or protocol version the syncer does not accept) stop the
+client with `SyncerRefused`; they are not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import aiohttp
+
+from ddiloco.core.layout import TensorSpec
+from ddiloco.net import session, wire
+
+log = logging.getLogger("ddiloco.client")
+
+
+class SyncerRefused(RuntimeError):
+    """The syncer refused this learner for good (auth, layout, protocol); retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str  # ws://host:port/ws
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    token: str | None = None
+    reconnect_s_min: float = 0.05
+    reconnect_s_max: float = 5.0
+    connect_timeout_s: float = 10.0
+    progress_queued_max: int = 64  # coalesced beyond this: only the newest progress matters
+    pushes_queued_max: int = 2  # outer gradients waiting to go out (one in flight per fragment)
+    wire: wire.WireLimits = field(default_factory=wire.WireLimits)
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("ws://", "wss://")):
+            raise ValueError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
+        if not 0 < self.reconnect_s_min <= self.reconnect_s_max:
+            raise ValueError("need 0 < reconnect_s_min <= reconnect_s_max")
+
+
+@dataclass
+class Inbox:
+    """What has arrived; read and emptied by the training loop."""
+
+    welcome: session.WelcomeInfo | None = None
+    requests: deque = field(default_factory=deque)  # session.RequestInfo
+    updates: dict[int, session.UpdateInfo] = field(default_factory=dict)  # fragment -> newest
+    errors: deque = field(default_factory=lambda: deque(maxlen=64))
+    connects: int = 0
+
+
+class SyncerClient:
+    def __init__(self, config: ClientConfig, rng: random.Random | None = None):
+        self.config = config
+        self.inbox = Inbox()
+        self.refused: SyncerRefused | None = None
+        self.connected = asyncio.Event()
+        self.welcomed = asyncio.Event()
+        self._progress: deque = deque(maxlen=config.progress_queued_max)
+        self._control: deque = deque()
+        self._bulk: deque = deque()
+        self._wake = asyncio.Event()
+        self._ids = iter(range(1, 1 << 62))
+        self._closing = False
+        self._rng = rng or random.Random(0)  # jitter of the backoff only
+        self.last_error: str | None = None
+        self.bytes_out = 0
+
+    # ---- used by the training side (from the client's loop) -------------------------------------
+
+    def queue_progress(self, progress: session.ProgressInfo) -> None:
+        self._progress.append(progress)
+        self._wake.set()
+
+    def queue_push(self, push: session.PushInfo) -> bool:
+        """False when the push queue is full (the caller keeps its counters and tries next time)."""
+        if len(self._bulk) >= self.config.pushes_queued_max:
+            return False
+        self._bulk.append(push)
+        self._wake.set()
+        return True
+
+    def queue_init(self, fragment: int, payload: bytes) -> None:
+        self._bulk.append(session.InitInfo(fragment, payload))
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+
+    # ---- the connection loop --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect, serve, reconnect with capped exponential backoff until closed or refused."""
+        delay = self.config.reconnect_s_min
+        while not self._closing:
+            try:
+                await self._serve_once()
+                delay = self.config.reconnect_s_min
+            except SyncerRefused as exc:
+                self.refused = exc
+                self.welcomed.set()  # wake anyone waiting for a welcome that will never come
+                log.error("%s", exc)
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, wire.WireError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.info("syncer connection failed (%s); retrying in %.2f s", self.last_error, delay)
+            self.connected.clear()
+            if self._closing:
+                return
+            await asyncio.sleep(delay * (0.5 + self._rng.random()))
+            delay = min(delay * 2, self.config.reconnect_s_max)
+
+    async def _serve_once(self) -> None:
+        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            try:
+                ws = await http.ws_connect(
+                    self.config.url, headers=headers, max_msg_size=self.config.wire.frame_bytes_max, heartbeat=5.0
+                )
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status == 401:
+                    raise SyncerRefused(f"syncer at {self.config.url} refused the token (HTTP 401)") from exc
+                raise
+            async with ws:
+                self.inbox.connects += 1
+                self.connected.set()
+                hello = session.hello_frames(self.config.name, self.config.tensors, next(self._ids), self.config.wire)
+                for frame in hello:
+                    await ws.send_bytes(frame)
+                writer = asyncio.create_task(self._write_loop(ws))
+                try:
+                    await self._read_loop(ws)
+                finally:
+                    writer.cancel()
+                    try:
+                        await writer
+                    except (asyncio.CancelledError, ConnectionError, aiohttp.ClientError):
+                        pass
+
+    async def _read_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        reassembler = wire.Reassembler(self.config.wire)
+        async for msg in ws:
+            if self._closing:
+                return
+            if msg.type is not aiohttp.WSMsgType.BINARY:
+                continue
+            message = reassembler.feed(msg.data)
+            if message is not None:
+                self._deliver(session.client_view(message))
+        close_text = f"closed by syncer (code {ws.close_code})"
+        raise ConnectionError(close_text)
+
+    def _deliver(self, item: object) -> None:
+        if isinstance(item, session.WelcomeInfo):
+            self.inbox.welcome = item
+            self.welcomed.set()
+        elif isinstance(item, session.RequestInfo):
+            self.inbox.requests.append(item)
+        elif isinstance(item, session.UpdateInfo):
+            current = self.inbox.updates.get(item.fragment)
+            if current is None or item.version >= current.version:
+                self.inbox.updates[item.fragment] = item
+        elif isinstance(item, session.ErrorInfo):
+            self.inbox.errors.append(item)
+            if item.fatal:
+                raise SyncerRefused(f"syncer refused this learner: {item.code}: {item.text}")
+
+    async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        bulk_frames: deque = deque()
+        while not self._closing:
+            if not (self._progress or self._control or self._bulk or bulk_frames):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._progress:
+                item = self._progress.popleft()
+                frames = session.progress_frames(item, next(self._ids), self.config.wire)
+            elif bulk_frames:
+                frames = [bulk_frames.popleft()]
+            else:
+                bulk_frames.extend(session.bulk_frames(self._bulk.popleft(), next(self._ids), self.config.wire))
+                continue
+            for frame in frames:
+                await ws.send_bytes(frame)
+                self.bytes_out += len(frame)
+        await ws.close()
+
+
+class ThreadedClient:
+    """A `SyncerClient` on a background thread with its own event loop.
+
+    Every method is safe to call from the training thread and returns at once."""
+
+    def __init__(self, config: ClientConfig):
+        self._loop = asyncio.new_event_loop()
+        self._client: SyncerClient | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self, config: ClientConfig) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._client = SyncerClient(config)
+        self._ready.set()
+        try:
+            self._loop.run_until_complete(self._client.run())
+        finally:
+            self._loop.close()
+
+    @property
+    def client(self) -> SyncerClient:
+        return self._client
+
+    def wait_welcome(self, timeout_s: float) -> session.WelcomeInfo:
+        """Block until the syncer has welcomed us (start-up only); raises on refusal or timeout."""
+        fut = asyncio.run_coroutine_threadsafe(self._client.welcomed.wait(), self._loop)
+        try:
+            fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(
+                f"no welcome from the syncer within {timeout_s} s (last error: {self._client.last_error})"
+            ) from None
+        if self._client.refused is not None:
+            raise self._client.refused
+        return self._client.inbox.welcome
+
+    def progress(self, item: session.ProgressInfo) -> None:
+        self._loop.call_soon_threadsafe(self._client.queue_progress, item)
+
+    def push(self, item: session.PushInfo) -> None:
+        self._loop.call_soon_threadsafe(self._client.queue_push, item)
+
+    def init(self, fragment: int, payload: bytes) -> None:
+        self._loop.call_soon_threadsafe(self._client.queue_init, fragment, payload)
+
+    def take(self) -> tuple[list, dict, list]:
+        """(requests, updates by fragment, errors) that arrived since the last call."""
+        fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
+        return fut.result()
+
+    async def _take(self) -> tuple[list, dict, list]:
+        box = self._client.inbox
+        requests, updates, errors = list(box.requests), dict(box.updates), list(box.errors)
+        box.requests.clear()
+        box.updates.clear()
+        box.errors.clear()
+        return requests, updates, errors
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._client.close()))
+            self._thread.join(timeout_s)
+
+    @property
+    def refused(self) -> SyncerRefused | None:
+        return self._client.refused

@@ -1,0 +1,367 @@
+"""The syncer daemon: the aiohttp server around the sans-I/O core.
+
+Threads and order. Every event, from any connection or timer, goes through one bounded queue into
+one core task, which calls `core.syncer.handle` on a single-thread executor: the core sees events in
+one total order (what the event tape records), its state is only ever touched by that one thread,
+and the kernels it runs release the GIL, so the event loop keeps reading sockets while a fragment
+is merged. The effects that come back are carried out on the event loop: frames queued on the
+connections, timers armed, checkpoints written (on the core thread, so the arrays are not mutated
+while they are written).
+
+HTTP: `/healthz`, `/metrics` (Prometheus), `/status` (JSON), `/` (a small live page), `POST
+/checkpoint` (token required). `/ws` is the learners' websocket; with a token configured the upgrade
+is refused with 401 unless `Authorization: Bearer <token>` matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from ddiloco.core import syncer as core
+from ddiloco.core.events import (
+    ArmTimer,
+    Disconnect,
+    Drop,
+    Event,
+    Log,
+    MergeCost,
+    Merged,
+    SendError,
+    SendRequest,
+    SendUpdate,
+    SendWelcome,
+    TimerFired,
+    WriteCheckpoint,
+)
+from ddiloco.net import session, store, wire
+from ddiloco.net.auth import bearer_matches
+from ddiloco.net.connection import Connection, QueueLimits, SlowPeerError
+from ddiloco.net.telemetry import Metrics, render_prometheus, status_document
+
+log = logging.getLogger("ddiloco.syncer")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    auth_token: str | None = None
+    checkpoint_dir: Path | None = None
+    checkpoints_kept: int = store.CHECKPOINTS_KEPT_DEFAULT
+    events_queued_max: int = 4096
+    heartbeat_s: float = 5.0  # websocket ping interval; a peer that stops answering is closed
+    queues: QueueLimits = field(default_factory=QueueLimits)
+    wire: wire.WireLimits = field(default_factory=wire.WireLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.events_queued_max < 1 or self.heartbeat_s <= 0 or self.checkpoints_kept < 1:
+            raise ValueError("events_queued_max, heartbeat_s and checkpoints_kept must be positive")
+
+
+class SyncerServer:
+    """The daemon. `await start()`, then `port` is known; `await stop()` ends it cleanly."""
+
+    def __init__(self, state: core.SyncerState, config: ServerConfig, clock: Callable[[], float] = time.monotonic):
+        self.state = state
+        self.config = config
+        self.clock = clock
+        self.metrics = Metrics()
+        self.started_at = clock()
+        self._events: asyncio.Queue | None = None
+        self._core = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
+        self._conns: dict[int, Connection] = {}
+        self._by_learner: dict[int, Connection] = {}
+        self._conn_ids = itertools.count(1)
+        self._message_ids = itertools.count(1)
+        self._tasks: asyncio.TaskGroup | None = None
+        self._runner: web.AppRunner | None = None
+        self._stopping: asyncio.Event | None = None
+        self.port: int | None = None
+        self.core_seconds = 0.0  # wall time spent inside handle(), for the bench
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_get("/ws", self._ws)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/", self._page)
+        app.router.add_post("/checkpoint", self._checkpoint_now)
+        return app
+
+    async def start(self) -> int:
+        self._events = asyncio.Queue(self.config.events_queued_max)
+        self._stopping = asyncio.Event()
+        self._core_task = asyncio.create_task(self._core_loop(), name="ddiloco-core-loop")
+        self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the port the OS chose for port 0
+        log.info("syncer listening on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def stop(self, *, checkpoint: bool = True) -> None:
+        """Close every connection, drain the core, write a last checkpoint."""
+        if self._stopping is None or self._stopping.is_set():
+            return
+        self._stopping.set()
+        for conn in list(self._conns.values()):
+            conn.closed = True
+            conn.wake.set()
+            await conn.ws.close(code=1001, message=b"syncer shutting down")
+        await self._events.put(None)
+        await self._core_task
+        if checkpoint and self.config.checkpoint_dir and self.state.holds_parameters:
+            await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "shutdown")
+        await self._runner.cleanup()
+        self._core.shutdown(wait=True)
+
+    async def serve_forever(self) -> None:
+        """Run until SIGTERM or SIGINT, then stop with a checkpoint."""
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        await self.start()
+        await done.wait()
+        log.info("signal received: writing a last checkpoint and stopping")
+        await self.stop()
+
+    # ---- the core loop --------------------------------------------------------------------------
+
+    async def submit(self, event: Event) -> None:
+        await self._events.put(event)
+
+    async def _core_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            event = await self._events.get()
+            if event is None:
+                return
+            started = time.perf_counter()
+            now = self.clock()
+            try:
+                self.state, effects = await loop.run_in_executor(self._core, core.handle, self.state, event, now)
+            except Exception:  # a bug in the core: log it loudly and stop, never limp on
+                log.exception("syncer core failed on %s", type(event).__name__)
+                raise
+            spent = time.perf_counter() - started
+            self.core_seconds += spent
+            merged = False
+            for effect in effects:
+                merged |= isinstance(effect, Merged)
+                await self._carry_out(effect)
+            if merged:
+                self.metrics.merge_kernel_s += spent
+                await self._events.put(MergeCost(spent))
+
+    async def _carry_out(self, effect) -> None:
+        if isinstance(effect, (SendWelcome, SendRequest, SendError)):
+            conn = self._conn_for(effect)
+            if conn is not None:
+                if isinstance(effect, SendWelcome):
+                    conn.learner = effect.learner
+                    self._by_learner[effect.learner] = conn
+                self._queue(conn, session.frames_for(effect, next(self._message_ids), self.config.wire), bulk=False)
+        elif isinstance(effect, SendUpdate):
+            frames = session.frames_for(effect, next(self._message_ids), self.config.wire)
+            for learner in effect.learners:
+                conn = self._by_learner.get(learner)
+                if conn is not None:
+                    self._queue(conn, frames, bulk=True)
+        elif isinstance(effect, ArmTimer):
+            delay = max(0.0, effect.at - self.clock())
+            asyncio.get_running_loop().call_later(delay, self._fire, TimerFired(effect.fragment, effect.round))
+        elif isinstance(effect, Drop):
+            conn = self._by_learner.get(effect.learner) if effect.learner is not None else self._conns.get(effect.conn)
+            if conn is not None:
+                await self._close(conn, effect.reason)
+        elif isinstance(effect, WriteCheckpoint):
+            if self.config.checkpoint_dir:
+                await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, effect.reason)
+        elif isinstance(effect, Merged):
+            self.metrics.merges += 1
+            self.metrics.grace_s_last = effect.grace_s
+            self.metrics.observe_round(effect.round_s)
+        elif isinstance(effect, Log):
+            log.log(logging.WARNING if effect.level == "warning" else logging.INFO, effect.text)
+
+    def _fire(self, event: TimerFired) -> None:
+        if not self._stopping.is_set():
+            try:
+                self._events.put_nowait(event)
+            except asyncio.QueueFull:
+                # Never lose a timer: hand it to a task that waits for room.
+                asyncio.ensure_future(self._events.put(event))
+
+    def _conn_for(self, effect) -> Connection | None:
+        if getattr(effect, "conn", None) is not None:
+            return self._conns.get(effect.conn)
+        return self._by_learner.get(effect.learner)
+
+    def _queue(self, conn: Connection, frames: list[bytes], *, bulk: bool) -> None:
+        try:
+            (conn.send_bulk if bulk else conn.send_control)(frames)
+        except SlowPeerError as exc:
+            self.metrics.dropped_slow += 1
+            log.warning("dropping learner %s: it does not read (%s)", conn.learner, exc)
+            asyncio.ensure_future(self._close(conn, f"slow peer: {exc}"))
+
+    def _write_checkpoint(self, reason: str) -> None:
+        """Runs on the core thread, between two events."""
+        try:
+            written = store.write(self.config.checkpoint_dir, self.state, self.config.checkpoints_kept)
+        except store.StoreError as exc:
+            self.metrics.checkpoint_failures += 1
+            log.error("%s", exc)
+            return
+        self.metrics.checkpoints += 1
+        log.info("checkpoint %s (%d bytes, %s)", written.path.name, written.bytes, reason)
+
+    # ---- websockets -----------------------------------------------------------------------------
+
+    async def _ws(self, request: web.Request) -> web.StreamResponse:
+        if not bearer_matches(request.headers.get("Authorization"), self.config.auth_token):
+            self.metrics.count(self.metrics.wire_errors, "unauthorized")
+            log.warning("refused websocket from %s: missing or wrong token", request.remote)
+            raise web.HTTPUnauthorized(text="missing or wrong bearer token\n")
+        if self._stopping.is_set():
+            raise web.HTTPServiceUnavailable(text="syncer shutting down\n")
+        ws = web.WebSocketResponse(max_msg_size=self.config.wire.frame_bytes_max, heartbeat=self.config.heartbeat_s)
+        await ws.prepare(request)
+        conn = Connection(next(self._conn_ids), ws, self.config.queues)
+        self._conns[conn.conn_id] = conn
+        reassembler = wire.Reassembler(self.config.wire)
+        writer = asyncio.create_task(conn.write_loop(), name=f"ddiloco-writer-{conn.conn_id}")
+        try:
+            async for msg in ws:
+                if msg.type is not WSMsgType.BINARY:
+                    if msg.type is WSMsgType.TEXT:
+                        await self._refuse(conn, wire.WireError(wire.ErrorCode.BAD_FRAME, "text frames are not part of the protocol"))
+                        break
+                    continue
+                self.metrics.bytes_in += len(msg.data)
+                self.metrics.frames_in += 1
+                if not await self._on_frame(conn, reassembler, msg.data):
+                    break
+        finally:
+            writer.cancel()
+            await self._forget(conn, "connection closed")
+        return ws
+
+    async def _on_frame(self, conn: Connection, reassembler: "wire.Reassembler", data: bytes) -> bool:
+        """Decode one frame; False when the connection must close."""
+        try:
+            message = reassembler.feed(data)
+            if message is None:
+                return True
+            event = session.event_for(message, conn.conn_id, conn.learner, self.state.layout)
+        except wire.WireError as exc:
+            return await self._refuse(conn, exc)
+        except session.SessionError as exc:
+            return await self._refuse(conn, exc.as_wire_error())
+        if event is None:
+            return True
+        if isinstance(event, Disconnect):
+            return False
+        await self._events.put(event)
+        return True
+
+    async def _refuse(self, conn: Connection, exc: "wire.WireError") -> bool:
+        """Bad input: an error frame, a log line, a metric; the daemon and its state are untouched."""
+        code = exc.code.name.lower() if hasattr(exc.code, "name") else str(exc.code)
+        self.metrics.count(self.metrics.wire_errors, code)
+        log.warning("learner %s (connection %d): %s", conn.learner, conn.conn_id, exc)
+        frames = session.error_frames(exc, next(self._message_ids), self.config.wire)
+        try:
+            conn.send_control(frames)
+        except SlowPeerError:
+            pass  # it is being closed anyway
+        fatal = session.is_fatal(exc)
+        if fatal:
+            await asyncio.sleep(0)  # let the writer flush the error frame
+            await self._close(conn, str(exc))
+        return not fatal
+
+    async def _close(self, conn: Connection, reason: str) -> None:
+        if conn.closed:
+            return
+        # Flush what is queued (the error frame that explains the close), then close.
+        for _ in range(100):
+            if not conn.control:
+                break
+            await asyncio.sleep(0.001)
+        conn.closed = True
+        conn.wake.set()
+        await conn.ws.close(code=1008, message=reason[:120].encode())
+
+    async def _forget(self, conn: Connection, reason: str) -> None:
+        conn.closed = True
+        self._conns.pop(conn.conn_id, None)
+        if conn.learner is not None and self._by_learner.get(conn.learner) is conn:
+            del self._by_learner[conn.learner]
+            if not self._stopping.is_set():
+                await self._events.put(Disconnect(conn.learner, reason))
+
+    # ---- HTTP -----------------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        return self.config.auth_token is not None and bearer_matches(request.headers.get("Authorization"), self.config.auth_token)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=render_prometheus(self.metrics, self.state), content_type="text/plain", charset="utf-8")
+
+    async def _status(self, request: web.Request) -> web.Response:
+        doc = status_document(self.state, self.metrics, self.clock(), self.clock() - self.started_at)
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+    async def _checkpoint_now(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            raise web.HTTPUnauthorized(text="this endpoint changes state: bearer token required\n")
+        if not self.config.checkpoint_dir:
+            raise web.HTTPConflict(text="no checkpoint directory configured\n")
+        await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "requested over HTTP")
+        return web.Response(text="checkpoint written\n")
+
+    async def _page(self, request: web.Request) -> web.Response:
+        return web.Response(text=_PAGE, content_type="text/html")
+
+
+_PAGE = """<!doctype html><meta charset="utf-8"><title>ddiloco syncer</title>
+<style>body{font:14px monospace;margin:2em}td,th{padding:2px 10px;text-align:left}</style>
+<h1>ddiloco syncer</h1><div id="s">loading...</div>
+<script>
+async function tick(){
+  const s = await (await fetch('status')).json();
+  let h = `<p>global step ${s.global_step} &middot; merges ${s.merges} &middot; up ${s.uptime_s}s</p>`;
+  h += '<table><tr><th>learner</th><th>status</th><th>step</th><th>seen</th></tr>';
+  for (const l of s.learners) h += `<tr><td>${l.id} ${l.name}</td><td>${l.status}</td><td>${l.step}</td><td>${l.last_seen_s_ago}s ago</td></tr>`;
+  h += '</table><table><tr><th>fragment</th><th>version</th></tr>';
+  for (const f of s.fragments) h += `<tr><td>${f.index}</td><td>${f.version}</td></tr>`;
+  h += '</table><h3>last decisions</h3>';
+  for (const d of s.decisions.slice(-8).reverse()) h += `<div>fragment ${d.fragment} v${d.version}: ${d.reason}</div>`;
+  h += `<h3>tokens</h3><pre>${JSON.stringify(s.ledger)}</pre>`;
+  document.getElementById('s').innerHTML = h;
+}
+tick(); setInterval(tick, 1000);
+</script>
+"""

@@ -1,0 +1,55 @@
+from hypothesis import given, settings, strategies as st
+
+from ddiloco.core.ledger import Ledger
+
+
+def test_window_fates():
+    led = Ledger()
+    led.report(1, 0, 300, reset=False)
+    led.fate(1, 0, 300, "merged")
+    led.report(1, 0, 500, reset=False)  # 200 more trained after the push
+    led.report(1, 0, 100, reset=True)  # received the merged fragment: those 200 were overwritten
+    assert led.totals["merged"] == 300 and led.totals["lost"] == 200
+    assert led.open == 100 and led.reported == 600
+    led.check()
+
+
+def test_second_push_of_same_window_counts_once():
+    led = Ledger()
+    led.report(2, 1, 400, reset=False)
+    led.fate(2, 1, 400, "stale")
+    led.fate(2, 1, 450, "merged")  # resent after the stale answer with a grown counter
+    assert led.totals["stale"] == 400 and led.totals["merged"] == 50
+    led.check()
+
+
+def test_gone_learner_books_unpushed_as_lost():
+    led = Ledger()
+    led.report(3, 0, 70, reset=False)
+    led.report(3, 1, 90, reset=False)
+    led.fate(3, 1, 90, "late")
+    led.learner_gone(3)
+    assert led.totals["lost"] == 70 and led.totals["late"] == 90 and led.open == 0
+    led.check()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["report", "reset", "fate", "gone"]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 1000),
+              st.sampled_from(["merged", "late", "stale", "rejected"])),
+    max_size=60,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops)
+def test_books_always_balance(sequence):
+    led = Ledger()
+    for op, learner, fragment, tokens, fate in sequence:
+        if op in ("report", "reset"):
+            led.report(learner, fragment, tokens, reset=op == "reset")
+        elif op == "fate":
+            led.fate(learner, fragment, tokens, fate)
+        else:
+            led.learner_gone(learner)
+        led.check()
+        assert all(v >= 0 for v in led.totals.values()) and led.open >= 0
