@@ -1,0 +1,87 @@
+"""`ddiloco bench KIND`: run one benchmark, print its table, optionally write its results as JSON.
+
+Each kind is an entry of KINDS: its help line, a function adding its flags and a function running it.
+A kind's runner imports its benchmark (numba, numpy, maybe torch) only when it runs, so listing the
+subcommands stays cheap. Add a kind by adding an entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+@dataclass(frozen=True)
+class BenchKind:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def parse_count(text: str) -> int:
+    """A positive count, optionally with a binary suffix: 4096, 64K, 64M (64 * 2**20), 1G."""
+    cleaned = text.strip().upper().replace("_", "")
+    factor = _SUFFIXES.get(cleaned[-1:], 1)
+    digits = cleaned[:-1] if factor > 1 else cleaned
+    if not digits.isdigit() or int(digits) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive count such as 4096, 64K or 64M, got {text!r}")
+    return int(digits) * factor
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _write_json(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=2) + "\n")
+
+
+# ---- merge ----
+
+
+def _merge_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--elements", type=parse_count, default="64M", help="float32 values per vector (default 64M = 64 * 2**20)"
+    )
+    p.add_argument("--repeat", type=_positive_int, default=5, help="timed runs per kernel, best kept (default 5)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as a JSON list")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison even if torch is installed")
+
+
+def _merge_run(args: argparse.Namespace) -> int:
+    from ddiloco.bench import merge
+
+    config = merge.MergeBenchConfig(elements=args.elements, repeat=args.repeat, seed=args.seed, torch=not args.no_torch)
+    print(f"bench merge: {config}", file=sys.stderr)
+    timings = merge.run_merge_bench(config, progress=lambda name: print(f"  timing {name}", file=sys.stderr))
+    print(merge.format_table(timings, config))
+    if args.json is not None:
+        _write_json(args.json, merge.timings_json(timings))
+    return 0
+
+
+KINDS: dict[str, BenchKind] = {
+    "merge": BenchKind("throughput of the merge kernels against numpy, torch and memory bandwidth", _merge_arguments, _merge_run),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for name, kind in KINDS.items():
+        p = sub.add_parser(name, help=kind.help, description=kind.help)
+        kind.add_arguments(p)
+        p.set_defaults(_bench=kind)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args._bench.run(args)

@@ -1,0 +1,348 @@
+"""Per-tensor kernels for radial-directional averaging (ALGORITHM.md, Syncer step 5, RDA).
+
+A fragment is a flat concatenation of tensors, described by int64 offsets[k+1]: tensor i is
+x[offsets[i]:offsets[i+1]]; offsets[-1] may stop short of the vector's end (zero padding that belongs
+to no tensor and is neither summed nor written).
+
+The vector up to offsets[-1] is cut into the usual slices (see _parallelism) regardless of where the
+tensors fall, so one huge embedding and many small norms spread over all cores alike. A slice meets a
+run of consecutive segments; each (slice, segment) overlap is a "piece". For the sums of squares every
+piece gets its own partial sum, and the partials are added per segment in slice order afterwards: no
+two threads write the same number, and the result depends only on the layout, never on the threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ddiloco.kernels import _checks
+from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, slice_bounds, use_parallel
+
+_CODE_OFFSET = 8  # int4 nibbles hold code + 8, see _int4
+
+
+def _piece_plan(offsets: np.ndarray, bounds: np.ndarray, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For slices [bounds[s], bounds[s+1]) clipped to `end`: the first segment each slice meets,
+    where its pieces start in the flat piece array, and the segment of every piece."""
+    starts = bounds[:-1]
+    stops = np.minimum(bounds[1:], end)
+    # searchsorted 'right' skips empty segments sitting at the same offset
+    seg_first = np.searchsorted(offsets, starts, side="right").astype(np.int64) - 1
+    seg_last = np.searchsorted(offsets, stops - 1, side="right").astype(np.int64) - 1
+    counts = seg_last - seg_first + 1
+    piece_start = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=piece_start[1:])
+    piece_segment = np.repeat(seg_first - piece_start[:-1], counts) + np.arange(piece_start[-1], dtype=np.int64)
+    return seg_first, piece_start, piece_segment
+
+
+# ---- sums of squares, float32 input ----
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _sumsq_serial(x):
+    # x: f32[m] -> f64. reassoc lets the sum vectorise; no nnan/ninf, so Inf and NaN still propagate.
+    total = 0.0
+    for i in range(x.size):
+        v = np.float64(x[i])
+        total += v * v
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _sumsq_slice(x, offsets, a, b, seg, partial, p):
+    # x: f32[n], offsets: i64[k+1], partial: f64[pieces]; one piece per segment met in [a, b)
+    pos = a
+    while pos < b:
+        end = min(offsets[seg + 1], b)
+        partial[p] = _sumsq_serial(x[pos:end])
+        pos = end
+        seg += 1
+        p += 1
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _sumsq_parallel(x, offsets, bounds, end, seg_first, piece_start, partial):
+    for s in prange(bounds.size - 1):
+        _sumsq_slice(x, offsets, bounds[s], min(bounds[s + 1], end), seg_first[s], partial, piece_start[s])
+
+
+@njit(nogil=True, cache=True)
+def _sumsq_sequential(x, offsets, bounds, end, seg_first, piece_start, partial):
+    # the same slices one after another: identical partials, so identical results on either path
+    for s in range(bounds.size - 1):
+        _sumsq_slice(x, offsets, bounds[s], min(bounds[s + 1], end), seg_first[s], partial, piece_start[s])
+
+
+# ---- sums of squares, int4 input ----
+
+
+@njit(nogil=True, cache=True)
+def _code_sumsq(c, lo, hi, half):
+    # c: u8[half] one block's codes; exact integer sum of code^2 over elements [lo, hi) of the block
+    total = 0
+    for e in range(lo, min(hi, half)):
+        v = (np.int32(c[e]) & 15) - _CODE_OFFSET
+        total += v * v
+    for e in range(max(lo, half), hi):
+        v = (np.int32(c[e - half]) >> 4) - _CODE_OFFSET
+        total += v * v
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _block_code_sumsq(c):
+    # c: u8[half] the codes of one whole block -> exact sum of code^2 (at most 64 * block: int32)
+    total = np.int32(0)
+    for j in range(c.size):
+        b = np.int32(c[j])
+        lo = (b & 15) - np.int32(_CODE_OFFSET)
+        hi = (b >> 4) - np.int32(_CODE_OFFSET)
+        total += lo * lo + hi * hi
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _sumsq_int4_range(codes, scales, block, lo, hi):
+    # codes: u8[n/2], scales: f32[n/block]; sum of (code * scale)^2 over elements [lo, hi) of one
+    # tensor, as scale^2 * sum(code^2) per block: exact integers, one float product per block.
+    half = block // 2
+    total = 0.0
+    pos = lo
+    while pos < hi:
+        k = pos // block
+        base = k * block
+        if pos == base and hi >= base + block:
+            full_end = hi // block  # a run of whole blocks: the tight loop
+            for kk in range(k, full_end):
+                s = np.float64(scales[kk])
+                total += s * s * _block_code_sumsq(codes[kk * half : (kk + 1) * half])
+            pos = full_end * block
+        else:
+            stop = min(base + block, hi)
+            s = np.float64(scales[k])
+            total += s * s * _code_sumsq(codes[k * half : (k + 1) * half], pos - base, stop - base, half)
+            pos = stop
+    return total
+
+
+@njit(nogil=True, cache=True)
+def _sumsq_int4_slice(codes, scales, offsets, block, a, b, seg, partial, p):
+    # partial: f64[pieces]; one piece per segment met in [a, b), a is a multiple of block
+    pos = a
+    while pos < b:
+        end = min(offsets[seg + 1], b)
+        partial[p] = _sumsq_int4_range(codes, scales, block, pos, end)
+        pos = end
+        seg += 1
+        p += 1
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _sumsq_int4_parallel(codes, scales, offsets, block, bounds, end, seg_first, piece_start, partial):
+    for s in prange(bounds.size - 1):
+        _sumsq_int4_slice(
+            codes, scales, offsets, block, bounds[s], min(bounds[s + 1], end), seg_first[s], partial, piece_start[s]
+        )
+
+
+@njit(nogil=True, cache=True)
+def _sumsq_int4_sequential(codes, scales, offsets, block, bounds, end, seg_first, piece_start, partial):
+    for s in range(bounds.size - 1):
+        _sumsq_int4_slice(
+            codes, scales, offsets, block, bounds[s], min(bounds[s + 1], end), seg_first[s], partial, piece_start[s]
+        )
+
+
+# ---- RDA accumulate ----
+
+
+@njit(nogil=True, cache=True)
+def _axpy_f64(acc, factor, x):
+    # acc: f32[m] (in place), factor: f64, x: f32[m]. The product is formed in float64 and rounded
+    # once: weight / norm can exceed the float32 range (a tiny norm) while every x / norm is <= 1.
+    for i in range(acc.size):
+        acc[i] += np.float32(np.float64(x[i]) * factor)
+
+
+@njit(nogil=True, cache=True)
+def _rda_slice(acc, weight, x, offsets, norms, a, b, seg):
+    pos = a
+    while pos < b:
+        end = min(offsets[seg + 1], b)
+        norm = norms[seg]
+        if norm > 0.0 and end > pos:  # unit(0) = 0: a zero tensor adds nothing
+            _axpy_f64(acc[pos:end], weight / norm, x[pos:end])
+        pos = end
+        seg += 1
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _rda_parallel(acc, weight, x, offsets, norms, bounds, end, seg_first):
+    for s in prange(bounds.size - 1):
+        _rda_slice(acc, weight, x, offsets, norms, bounds[s], min(bounds[s + 1], end), seg_first[s])
+
+
+@njit(nogil=True, cache=True)
+def _rda_sequential(acc, weight, x, offsets, norms, bounds, end, seg_first):
+    for s in range(bounds.size - 1):
+        _rda_slice(acc, weight, x, offsets, norms, bounds[s], min(bounds[s + 1], end), seg_first[s])
+
+
+@njit(nogil=True, cache=True)
+def _rda_int4_piece(acc, factor, c, lo, hi, half):
+    # acc: f32[block] one block of the accumulator, c: u8[half] its codes; elements [lo, hi)
+    for e in range(lo, min(hi, half)):
+        acc[e] += np.float32(np.float64((np.int32(c[e]) & 15) - _CODE_OFFSET) * factor)
+    for e in range(max(lo, half), hi):
+        acc[e] += np.float32(np.float64((np.int32(c[e - half]) >> 4) - _CODE_OFFSET) * factor)
+
+
+@njit(nogil=True, cache=True)
+def _rda_int4_block(acc, factor, c):
+    # the common case, a whole block inside one tensor: both halves as contiguous loops
+    half = c.size
+    lo = acc[:half]  # f32[half]
+    hi = acc[half:]  # f32[half]
+    for j in range(half):
+        b = np.int32(c[j])
+        lo[j] += np.float32(np.float64((b & 15) - _CODE_OFFSET) * factor)
+        hi[j] += np.float32(np.float64((b >> 4) - _CODE_OFFSET) * factor)
+
+
+@njit(nogil=True, cache=True)
+def _rda_int4_range(acc, unit_weight, codes, scales, block, lo, hi):
+    # acc[lo:hi] += unit_weight * code * scale over elements [lo, hi) of one tensor
+    half = block // 2
+    pos = lo
+    while pos < hi:
+        k = pos // block
+        base = k * block
+        if pos == base and hi >= base + block:
+            full_end = hi // block
+            for kk in range(k, full_end):
+                factor = unit_weight * np.float64(scales[kk])
+                _rda_int4_block(acc[kk * block : (kk + 1) * block], factor, codes[kk * half : (kk + 1) * half])
+            pos = full_end * block
+        else:
+            stop = min(base + block, hi)
+            factor = unit_weight * np.float64(scales[k])
+            _rda_int4_piece(acc[base : base + block], factor, codes[k * half : (k + 1) * half], pos - base, stop - base, half)
+            pos = stop
+
+
+@njit(nogil=True, cache=True)
+def _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, a, b, seg):
+    pos = a
+    while pos < b:
+        end = min(offsets[seg + 1], b)
+        norm = norms[seg]
+        if norm > 0.0 and end > pos:
+            _rda_int4_range(acc, weight / norm, codes, scales, block, pos, end)
+        pos = end
+        seg += 1
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _rda_int4_parallel(acc, weight, codes, scales, offsets, norms, block, bounds, end, seg_first):
+    for s in prange(bounds.size - 1):
+        _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, bounds[s], min(bounds[s + 1], end), seg_first[s])
+
+
+@njit(nogil=True, cache=True)
+def _rda_int4_sequential(acc, weight, codes, scales, offsets, norms, block, bounds, end, seg_first):
+    for s in range(bounds.size - 1):
+        _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, bounds[s], min(bounds[s + 1], end), seg_first[s])
+
+
+# ---- public wrappers ----
+
+
+def _reduce(partial: np.ndarray, piece_segment: np.ndarray, segments: int) -> np.ndarray:
+    out = np.zeros(segments, dtype=np.float64)
+    np.add.at(out, piece_segment, partial)  # unbuffered and in piece order: deterministic
+    return out
+
+
+def segment_sumsq(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """float64[k]: sum of squares of each tensor x[offsets[i]:offsets[i+1]], accumulated in float64."""
+    _checks.vector("x", x, np.float32)
+    segments = _checks.offsets("offsets", offsets, x.size)
+    end = int(offsets[-1])
+    if end == 0:
+        return np.zeros(segments, dtype=np.float64)
+    bounds = slice_bounds(end, CHUNK_ELEMENTS)
+    seg_first, piece_start, piece_segment = _piece_plan(offsets, bounds, end)
+    partial = np.zeros(piece_start[-1], dtype=np.float64)
+    run = _sumsq_parallel if use_parallel(end) else _sumsq_sequential
+    run(x, offsets, bounds, end, seg_first, piece_start, partial)
+    return _reduce(partial, piece_segment, segments)
+
+
+def segment_sumsq_int4(
+    codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int = _checks.BLOCK_DEFAULT
+) -> np.ndarray:
+    """segment_sumsq of the int4-coded vector, from the codes (never materialised).
+
+    Each value counts as code * scale exactly (the float32 decode rounds that product; the sums
+    differ by at most a float32 rounding per value)."""
+    block, n = _checks.coded(codes, scales, block, 2)
+    segments = _checks.offsets("offsets", offsets, n)
+    end = int(offsets[-1])
+    if end == 0:
+        return np.zeros(segments, dtype=np.float64)
+    bounds = slice_bounds(end, block)
+    seg_first, piece_start, piece_segment = _piece_plan(offsets, bounds, end)
+    partial = np.zeros(piece_start[-1], dtype=np.float64)
+    run = _sumsq_int4_parallel if use_parallel(end) else _sumsq_int4_sequential
+    run(codes, scales, offsets, block, bounds, end, seg_first, piece_start, partial)
+    return _reduce(partial, piece_segment, segments)
+
+
+def _check_rda(acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray) -> tuple[float, int]:
+    _checks.vector("acc", acc, np.float32, writeable=True)
+    weight = _checks.finite_scalar("weight", weight)
+    segments = _checks.offsets("offsets", offsets, acc.size)
+    _checks.vector("norms", norms, np.float64)
+    _checks.length("norms", norms, segments)
+    _checks.non_negative_finite("norms", norms, np.inf)
+    return weight, int(offsets[-1])
+
+
+def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray) -> None:
+    """For each tensor i: acc[seg] += weight * x[seg] / norms[i], nothing where norms[i] == 0.
+
+    The factor weight / norms[i] and its product with x are float64; each term is rounded to float32
+    once before it is added."""
+    weight, end = _check_rda(acc, weight, offsets, norms)
+    _checks.vector("x", x, np.float32)
+    _checks.length("x", x, acc.size)
+    _checks.disjoint(acc=acc, x=x, offsets=offsets, norms=norms)
+    if end == 0:
+        return
+    bounds = slice_bounds(end, CHUNK_ELEMENTS)
+    seg_first, _, _ = _piece_plan(offsets, bounds, end)
+    run = _rda_parallel if use_parallel(end) else _rda_sequential
+    run(acc, weight, x, offsets, norms, bounds, end, seg_first)
+
+
+def rda_accumulate_int4(
+    acc: np.ndarray,
+    weight: float,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    offsets: np.ndarray,
+    norms: np.ndarray,
+    block: int = _checks.BLOCK_DEFAULT,
+) -> None:
+    """rda_accumulate of the int4-coded vector, fused: acc[seg] += weight * code * scale / norms[i]."""
+    weight, end = _check_rda(acc, weight, offsets, norms)
+    block, _ = _checks.coded(codes, scales, block, 2, acc.size)
+    _checks.disjoint(acc=acc, codes=codes, scales=scales, offsets=offsets, norms=norms)
+    if end == 0:
+        return
+    bounds = slice_bounds(end, block)
+    seg_first, _, _ = _piece_plan(offsets, bounds, end)
+    run = _rda_int4_parallel if use_parallel(end) else _rda_int4_sequential
+    run(acc, weight, codes, scales, offsets, norms, block, bounds, end, seg_first)

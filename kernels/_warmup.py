@@ -1,0 +1,47 @@
+"""Compile (or load from numba's on-disk cache) every kernel before it is needed.
+
+Nothing compiles at import. The syncer daemon calls warmup() at start so the first merge does not
+pay seconds of compilation inside a grace window. Each kernel runs once below and once at or above
+the parallel threshold, through its public wrapper, so exactly the argument types and both drivers
+used in production are compiled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddiloco.kernels import _bf16, _dense, _int1, _int2, _int4, _nesterov, _segments
+from ddiloco.kernels._checks import BLOCK_DEFAULT
+from ddiloco.kernels._parallelism import PARALLEL_ELEMENTS_MIN
+
+_CODECS = (
+    (_int4.quantize_int4, _int4.dequantize_int4, _int4.accumulate_int4),
+    (_int2.quantize_int2, _int2.dequantize_int2, _int2.accumulate_int2),
+    (_int1.quantize_int1, _int1.dequantize_int1, _int1.accumulate_int1),
+)
+
+
+def _run_all(n: int) -> None:
+    # Fixed, simple values: warm-up must not depend on randomness and must never raise.
+    x = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    acc = np.zeros(n, dtype=np.float32)
+    for quantize, dequantize, accumulate in _CODECS:
+        codes, scales = quantize(x, BLOCK_DEFAULT)
+        dequantize(codes, scales, BLOCK_DEFAULT)
+        accumulate(acc, 0.5, codes, scales, BLOCK_DEFAULT)
+    _bf16.from_bf16(_bf16.to_bf16(x))
+    _dense.accumulate(acc, 0.5, x)
+    _dense.all_finite(x)
+    offsets = np.array([0, n // 3, n // 3, n - BLOCK_DEFAULT // 2], dtype=np.int64)
+    codes, scales = _int4.quantize_int4(x, BLOCK_DEFAULT)
+    norms = np.sqrt(_segments.segment_sumsq(x, offsets))
+    _segments.segment_sumsq_int4(codes, scales, offsets, BLOCK_DEFAULT)
+    _segments.rda_accumulate(acc, 0.5, x, offsets, norms)
+    _segments.rda_accumulate_int4(acc, 0.5, codes, scales, offsets, norms, BLOCK_DEFAULT)
+    _nesterov.nesterov_step(acc, np.zeros(n, dtype=np.float32), x, 0.7, 0.9)
+
+
+def warmup() -> None:
+    """Compile every kernel, serial and parallel drivers alike (a few MiB of scratch, freed after)."""
+    _run_all(4 * BLOCK_DEFAULT)
+    _run_all(-(-PARALLEL_ELEMENTS_MIN // BLOCK_DEFAULT) * BLOCK_DEFAULT)

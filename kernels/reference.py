@@ -1,0 +1,245 @@
+"""Plain-numpy references of every kernel, with the same signatures.
+
+They define what the kernels compute and are written for clarity, not speed: whole-array numpy
+expressions, float64 where the definition says so, temporaries allowed. Tests compare the kernels
+against them on random inputs and the merge benchmark times them as the numpy baseline. They
+validate only what changes their result (a non-finite input to a quantizer raises).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddiloco.kernels._checks import BLOCK_DEFAULT
+from ddiloco.kernels._errors import KernelInputError
+
+_INT4_CODE_MAX = 7
+_INT4_OFFSET = 8
+_INT2_LEVEL_MAX = 3
+
+
+def _blocks(x: np.ndarray, block: int) -> np.ndarray:
+    """float32[n] as float32[n/block, block], rejecting NaN/Inf as the quantizers do."""
+    if not np.isfinite(x).all():
+        raise KernelInputError("x has NaN or Inf values")
+    return x.reshape(-1, block)
+
+
+def _absmax_scales(xb: np.ndarray, code_max: int) -> np.ndarray:
+    return (np.abs(xb).max(axis=1).astype(np.float64) / code_max).astype(np.float32)
+
+
+def _ratios(xb: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """x / scale in float64, 0 where the scale is 0."""
+    s = scales.astype(np.float64)[:, None]
+    return np.divide(xb.astype(np.float64), s, out=np.zeros(xb.shape), where=s > 0)
+
+
+def _pack(fields: np.ndarray, parts: int, bits: int) -> np.ndarray:
+    """uint8 codes from per-value fields[blocks, block]: byte j of a block holds the value
+    j + r * block/parts in bits [r*bits, (r+1)*bits)."""
+    blocks, block = fields.shape
+    width = block // parts
+    out = np.zeros((blocks, width), dtype=np.uint8)
+    for r in range(parts):
+        out |= (fields[:, r * width : (r + 1) * width].astype(np.uint8) << (r * bits)).astype(np.uint8)
+    return out.ravel()
+
+
+def _unpack(codes: np.ndarray, block: int, parts: int, bits: int) -> np.ndarray:
+    """int64[blocks, block] fields, the inverse of _pack."""
+    rows = codes.reshape(-1, block // parts).astype(np.int64)
+    mask = (1 << bits) - 1
+    return np.concatenate([(rows >> (r * bits)) & mask for r in range(parts)], axis=1)
+
+
+def _fill(values: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return values
+    out[...] = values
+    return out
+
+
+# ---- int4 ----
+
+
+def quantize_int4(x: np.ndarray, block: int = BLOCK_DEFAULT) -> tuple[np.ndarray, np.ndarray]:
+    xb = _blocks(x, block)
+    scales = _absmax_scales(xb, _INT4_CODE_MAX)
+    codes = np.clip(np.rint(_ratios(xb, scales)), -_INT4_CODE_MAX, _INT4_CODE_MAX).astype(np.int64)
+    return _pack(codes + _INT4_OFFSET, 2, 4), scales
+
+
+def dequantize_int4(
+    codes: np.ndarray, scales: np.ndarray, block: int = BLOCK_DEFAULT, *, out: np.ndarray | None = None
+) -> np.ndarray:
+    values = (_unpack(codes, block, 2, 4) - _INT4_OFFSET).astype(np.float32) * scales[:, None]
+    return _fill(values.ravel(), out)
+
+
+def accumulate_int4(
+    acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = BLOCK_DEFAULT
+) -> None:
+    acc += np.float32(weight) * dequantize_int4(codes, scales, block)
+
+
+# ---- int2 ----
+
+
+def quantize_int2(x: np.ndarray, block: int = BLOCK_DEFAULT) -> tuple[np.ndarray, np.ndarray]:
+    xb = _blocks(x, block)
+    scales = _absmax_scales(xb, _INT2_LEVEL_MAX)
+    # nearest of the odd levels -3, -1, 1, 3 (midpoints go up)
+    levels = np.clip(2.0 * np.floor(_ratios(xb, scales) / 2.0) + 1.0, -3, 3).astype(np.int64)
+    return _pack((levels + 3) // 2, 4, 2), scales
+
+
+def dequantize_int2(
+    codes: np.ndarray, scales: np.ndarray, block: int = BLOCK_DEFAULT, *, out: np.ndarray | None = None
+) -> np.ndarray:
+    values = (2 * _unpack(codes, block, 4, 2) - 3).astype(np.float32) * scales[:, None]
+    return _fill(values.ravel(), out)
+
+
+def accumulate_int2(
+    acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = BLOCK_DEFAULT
+) -> None:
+    acc += np.float32(weight) * dequantize_int2(codes, scales, block)
+
+
+# ---- int1 ----
+
+
+def quantize_int1(x: np.ndarray, block: int = BLOCK_DEFAULT) -> tuple[np.ndarray, np.ndarray]:
+    xb = _blocks(x, block)
+    scales = np.abs(xb.astype(np.float64)).mean(axis=1).astype(np.float32)
+    return _pack(xb >= 0, 8, 1), scales
+
+
+def dequantize_int1(
+    codes: np.ndarray, scales: np.ndarray, block: int = BLOCK_DEFAULT, *, out: np.ndarray | None = None
+) -> np.ndarray:
+    values = (2 * _unpack(codes, block, 8, 1) - 1).astype(np.float32) * scales[:, None]
+    return _fill(values.ravel(), out)
+
+
+def accumulate_int1(
+    acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = BLOCK_DEFAULT
+) -> None:
+    acc += np.float32(weight) * dequantize_int1(codes, scales, block)
+
+
+# ---- bfloat16 ----
+
+
+def _bf16_value(u: np.ndarray) -> np.ndarray:
+    """float64 value of bfloat16 bit patterns, with the pattern one past the largest finite value
+    read as +-2**128: the point IEEE rounding measures overflow against."""
+    magnitude = (u.astype(np.uint32) & 0x7FFF) << 16
+    value = magnitude.view(np.float32).astype(np.float64)
+    value = np.where(magnitude == 0x7F800000, 2.0**128, value)
+    return np.where(u & 0x8000, -value, value)
+
+
+def to_bf16(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Round to nearest by comparing the distances to the two neighbouring bfloat16 values."""
+    bits = x.view(np.uint32)
+    down = (bits >> 16).astype(np.uint16)  # truncation: the neighbour towards zero
+    up = down + np.uint16(1)  # the neighbour away from zero (wraps only for NaN patterns)
+    with np.errstate(invalid="ignore"):  # NaN patterns are handled below
+        x64 = x.astype(np.float64)
+        d_down = np.abs(x64 - _bf16_value(down))
+        d_up = np.abs(_bf16_value(up) - x64)
+    exact = (bits & 0xFFFF) == 0
+    choose_up = ~exact & ((d_up < d_down) | ((d_up == d_down) & (down % 2 == 1)))
+    result = np.where(choose_up, up, down).astype(np.uint16)
+    nan = np.isnan(x)
+    result[nan] = down[nan] | np.uint16(0x0040)
+    return _fill(result, out)
+
+
+def from_bf16(u: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    return _fill((u.astype(np.uint32) << 16).view(np.float32), out)
+
+
+# ---- dense ----
+
+
+def accumulate(acc: np.ndarray, weight: float, x: np.ndarray) -> None:
+    acc += np.float32(weight) * x
+
+
+def count_nonfinite(x: np.ndarray) -> int:
+    return int(np.count_nonzero(~np.isfinite(x)))
+
+
+def all_finite(x: np.ndarray) -> bool:
+    return bool(np.isfinite(x).all())
+
+
+# ---- segments (RDA) ----
+
+
+def _segments(offsets: np.ndarray):
+    return zip(offsets[:-1].tolist(), offsets[1:].tolist())
+
+
+def segment_sumsq(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    return np.array([np.sum(np.square(x[a:b].astype(np.float64))) for a, b in _segments(offsets)], dtype=np.float64)
+
+
+def segment_sumsq_int4(
+    codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int = BLOCK_DEFAULT
+) -> np.ndarray:
+    return segment_sumsq(dequantize_int4(codes, scales, block), offsets)
+
+
+def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray) -> None:
+    for (a, b), norm in zip(_segments(offsets), norms.tolist()):
+        if norm > 0:
+            acc[a:b] += (x[a:b].astype(np.float64) * (weight / norm)).astype(np.float32)
+
+
+def rda_accumulate_int4(
+    acc: np.ndarray,
+    weight: float,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    offsets: np.ndarray,
+    norms: np.ndarray,
+    block: int = BLOCK_DEFAULT,
+) -> None:
+    rda_accumulate(acc, weight, dequantize_int4(codes, scales, block), offsets, norms)
+
+
+# ---- outer optimizer ----
+
+
+def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, mu: float) -> None:
+    mu32, lr32 = np.float32(mu), np.float32(lr)
+    buf *= mu32
+    buf += g
+    theta -= lr32 * (g + mu32 * buf)
+
+
+__all__ = [
+    "accumulate",
+    "accumulate_int1",
+    "accumulate_int2",
+    "accumulate_int4",
+    "all_finite",
+    "count_nonfinite",
+    "dequantize_int1",
+    "dequantize_int2",
+    "dequantize_int4",
+    "from_bf16",
+    "nesterov_step",
+    "quantize_int1",
+    "quantize_int2",
+    "quantize_int4",
+    "rda_accumulate",
+    "rda_accumulate_int4",
+    "segment_sumsq",
+    "segment_sumsq_int4",
+    "to_bf16",
+]
