@@ -70,7 +70,37 @@ def _merge_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- syncer ----
+
+
+def _syncer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--learners", type=_positive_int, default=8, help="learner processes (default 8)")
+    p.add_argument("--params", type=parse_count, default="50000000", help="model parameters (default 50M = 5e7)")
+    p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
+    p.add_argument("--fragments", type=_positive_int, default=8)
+    p.add_argument("--seconds", type=float, default=20.0, help="how long the learners push (default 20)")
+    p.add_argument("--broadcast-codec", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--merge", default="rda", choices=["rda", "mean"])
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON")
+
+
+def _syncer_run(args: argparse.Namespace) -> int:
+    from ddiloco.bench import syncer
+
+    config = syncer.SyncerBenchConfig(
+        learners=args.learners, params=args.params, codec=args.codec, fragments=args.fragments,
+        seconds=args.seconds, broadcast_codec=args.broadcast_codec, merge=args.merge,
+    )
+    print(f"bench syncer: {config}", file=sys.stderr)
+    result = syncer.run_syncer_bench(config)
+    print(syncer.format_report(result))
+    if args.json is not None:
+        _write_json(args.json, [result])
+    return 0
+
+
 KINDS: dict[str, BenchKind] = {
+    "syncer": BenchKind("ingest of the real daemon with spawned learner processes over loopback", _syncer_arguments, _syncer_run),
     "merge": BenchKind("throughput of the merge kernels against numpy, torch and memory bandwidth", _merge_arguments, _merge_run),
 }
 

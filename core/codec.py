@@ -134,7 +134,7 @@ class Encoded:
         """Whether every decoded value is finite, checked without materialising block codecs: codes are
         bounded, so a block codec is finite exactly when its scales are."""
         if self.scales is not None:
-            return bool(np.isfinite(self.scales).all())
+            return kernels.all_finite(self.scales)
         values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data)
         return kernels.all_finite(values)
 
@@ -156,12 +156,17 @@ def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT
         body, block = [x.tobytes()], 0
     size = sum(len(b) for b in body)
     assert size == codec.body_bytes(n, block)
-    return b"".join([_HEADER.pack(_MAGIC, _FORMAT, codec.ident, 0, block, n, size), *body])
+    return b"".join([header(codec, block, n), *body])
+
+
+def header(codec: Codec, block: int, elements: int) -> bytes:
+    """The 24-byte header of a payload with this codec, block and size."""
+    return _HEADER.pack(_MAGIC, _FORMAT, codec.ident, 0, block, elements, codec.body_bytes(elements, block))
 
 
 def parse(buf: bytes | bytearray | memoryview, *, elements: int | None = None) -> Encoded:
-    """Validate `buf` and return views into it. `elements`, when given, is the size the receiver
-    expects (the fragment's padded size); a payload of another size is refused."""
+    """Validate `buf` (header + body) and return views into it. `elements`, when given, is the size
+    the receiver expects (the fragment's padded size); a payload of another size is refused."""
     view = memoryview(buf).cast("B")
     if view.nbytes < HEADER_BYTES:
         raise CodecError(f"payload of {view.nbytes} bytes is shorter than the {HEADER_BYTES}-byte codec header")
@@ -173,6 +178,19 @@ def parse(buf: bytes | bytearray | memoryview, *, elements: int | None = None) -
     if ident not in _BY_IDENT:
         raise CodecError(f"unknown codec id {ident}")
     codec = _BY_IDENT[ident]
+    body = view[HEADER_BYTES:]
+    if size != body.nbytes:
+        raise CodecError(f"header says the body has {size} bytes, buffer has {body.nbytes}")
+    return from_body(codec, block, n, body, elements=elements)
+
+
+def from_body(
+    codec: Codec | str, block: int, n: int, body: bytes | memoryview, *, elements: int | None = None
+) -> Encoded:
+    """Views into a header-less body whose codec, block and size are known from elsewhere (the wire
+    message carries them). Validates exactly what `parse` validates."""
+    codec = parse_codec(codec)
+    view = memoryview(body).cast("B")
     if n > ELEMENTS_MAX:
         raise CodecError(f"payload declares {n} elements, above the limit of {ELEMENTS_MAX}")
     if elements is not None and n != elements:
@@ -182,18 +200,15 @@ def parse(buf: bytes | bytearray | memoryview, *, elements: int | None = None) -
     elif block != 0:
         raise CodecError(f"{codec.value} payload declares block {block}, expected 0")
     expected = codec.body_bytes(n, block)
-    if size != expected or view.nbytes - HEADER_BYTES != expected:
-        raise CodecError(
-            f"{codec.value} payload of {n} elements needs a {expected}-byte body, "
-            f"header says {size}, buffer has {view.nbytes - HEADER_BYTES}"
-        )
-    body = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
+    if view.nbytes != expected:
+        raise CodecError(f"{codec.value} payload of {n} elements needs a {expected}-byte body, got {view.nbytes}")
+    raw = np.frombuffer(view, dtype=np.uint8)
     if codec is Codec.FP32:
-        return Encoded(codec, 0, n, body.view(np.float32), None)
+        return Encoded(codec, 0, n, raw.view(np.float32), None)
     if codec is Codec.BF16:
-        return Encoded(codec, 0, n, body.view(np.uint16), None)
+        return Encoded(codec, 0, n, raw.view(np.uint16), None)
     nscales = 4 * (n // block)
-    return Encoded(codec, block, n, body[nscales:], body[:nscales].view(np.float32))
+    return Encoded(codec, block, n, raw[nscales:], raw[:nscales].view(np.float32))
 
 
 @dataclass(frozen=True)

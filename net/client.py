@@ -134,7 +134,7 @@ class SyncerClient:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             try:
                 ws = await http.ws_connect(
-                    self.config.url, headers=headers, max_msg_size=self.config.wire.frame_bytes_max, heartbeat=5.0
+                    self.config.url, headers=headers, max_msg_size=self.config.wire.max_msg_size, heartbeat=5.0
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 401:

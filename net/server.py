@@ -243,7 +243,7 @@ class SyncerServer:
             raise web.HTTPUnauthorized(text="missing or wrong bearer token\n")
         if self._stopping.is_set():
             raise web.HTTPServiceUnavailable(text="syncer shutting down\n")
-        ws = web.WebSocketResponse(max_msg_size=self.config.wire.frame_bytes_max, heartbeat=self.config.heartbeat_s)
+        ws = web.WebSocketResponse(max_msg_size=self.config.wire.max_msg_size, heartbeat=self.config.heartbeat_s)
         await ws.prepare(request)
         conn = Connection(next(self._conn_ids), ws, self.config.queues)
         self._conns[conn.conn_id] = conn

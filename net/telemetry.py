@@ -6,6 +6,7 @@ the status document is read off the core state. Both are read-only views.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from ddiloco.core.syncer import LearnerStatus, SyncerState
@@ -13,6 +14,7 @@ from ddiloco.core.weights import token_weight
 
 # Round latency buckets in seconds (a Prometheus histogram).
 ROUND_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROUND_SAMPLES_KEPT = 100_000  # raw latencies kept for percentiles (bench, status)
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Metrics:
     grace_s_last: float = 0.0
     round_counts: list[int] = field(default_factory=lambda: [0] * (len(ROUND_BUCKETS_S) + 1))
     round_sum_s: float = 0.0
+    round_samples_s: deque = field(default_factory=lambda: deque(maxlen=ROUND_SAMPLES_KEPT))
     merge_kernel_s: float = 0.0  # time spent in the core's merge path (kernels), summed
     checkpoints: int = 0
     checkpoint_failures: int = 0
@@ -40,6 +43,7 @@ class Metrics:
         else:
             self.round_counts[-1] += 1
         self.round_sum_s += seconds
+        self.round_samples_s.append(seconds)
 
     def count(self, table: dict[str, int], reason: str) -> None:
         table[reason] = table.get(reason, 0) + 1

@@ -1,0 +1,183 @@
+"""`ddiloco bench syncer`: how fast the real daemon ingests fragment pushes from real learner processes.
+
+The syncer runs in this process, on its own event loop; M learner processes (started with spawn)
+connect over loopback websockets and do no training: each pre-encodes one outer gradient per
+fragment and, as fast as the syncer lets it, reports a step, answers every request with a push and
+takes every update. So the figures are the syncer's (and loopback's) own limits.
+
+Reported: merges/s, payload GB/s in, p50/p99 round latency (round open to merge), the share of
+wall time spent in the core (merge kernels and outer step), and the syncer's peak RSS against the
+fp32 size of the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ddiloco.core.layout import TensorSpec
+
+TOKEN = "bench-token-0123456789abcdef"
+TENSOR_ELEMENTS = 1 << 20  # the model is cut into tensors of about this size
+
+
+@dataclass(frozen=True)
+class SyncerBenchConfig:
+    learners: int = 8
+    params: int = 50_000_000
+    codec: str = "int4"
+    fragments: int = 8
+    seconds: float = 20.0
+    broadcast_codec: str = "fp32"
+    merge: str = "rda"
+    step_hz: float = 50.0  # how often each learner reports a step (rounds open at this rate)
+
+    def __post_init__(self) -> None:
+        if self.learners < 1 or self.params < 1024 or self.fragments < 1 or self.seconds <= 0 or self.step_hz <= 0:
+            raise ValueError(f"bad syncer bench config {self}")
+
+
+def bench_tensors(params: int, fragments: int) -> tuple[TensorSpec, ...]:
+    count = max(fragments, -(-params // TENSOR_ELEMENTS))
+    size = params // count
+    return tuple(TensorSpec(f"blocks/{i}/w", (size,)) for i in range(count))
+
+
+def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: str, seconds: float, step_hz: float, seed: int, out) -> None:
+    """One learner process: no training, just the protocol as fast as it goes."""
+    from ddiloco.core import codec
+    from ddiloco.net import session
+    from ddiloco.net.client import ClientConfig, SyncerClient
+
+    async def main() -> dict:
+        client = SyncerClient(ClientConfig(url=url, name=name, tensors=bench_tensors(params, fragments), token=TOKEN))
+        task = asyncio.create_task(client.run())
+        await asyncio.wait_for(client.welcomed.wait(), 120)
+        if client.refused:
+            raise client.refused
+        w = client.inbox.welcome
+        rng = np.random.default_rng(seed)
+        sizes = [-(-sum(int(np.prod(s)) for _, s, _, _ in f) // 128) * 128 for f in w.layout["fragments"]]
+        versions = [-1] * len(sizes)
+        if w.needs_init:
+            for p, n in enumerate(sizes):
+                client.queue_init(p, codec.encode(rng.standard_normal(n).astype(np.float32), "fp32"))
+            versions = [0] * len(sizes)
+        payloads = [codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name) for n in sizes]
+        step, pushes = 0, 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            box = client.inbox
+            for p, u in list(box.updates.items()):
+                versions[p] = u.version
+            box.updates.clear()
+            step += 1
+            n = len(sizes)
+            client.queue_progress(session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n))
+            while box.requests:
+                r = box.requests.popleft()
+                if client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 1024, payloads[r.fragment])):
+                    pushes += 1
+            await asyncio.sleep(1.0 / step_hz)
+        await client.close()
+        task.cancel()
+        return {"name": name, "steps": step, "pushes": pushes, "bytes_out": client.bytes_out}
+
+    out.put(asyncio.run(main()))
+
+
+def run_syncer_bench(config: SyncerBenchConfig) -> dict:
+    from ddiloco import kernels
+    from ddiloco.core import syncer
+    from ddiloco.core.config import SyncerConfig
+    from ddiloco.net.server import ServerConfig, SyncerServer
+
+    kernels.warmup()
+    core_cfg = SyncerConfig(
+        num_fragments=config.fragments, period=config.fragments, merge=config.merge,
+        broadcast_codec=config.broadcast_codec, learners_max=max(8, config.learners),
+    )
+
+    async def main() -> dict:
+        server = SyncerServer(syncer.new_state(core_cfg), ServerConfig(port=0, auth_token=TOKEN))
+        port = await server.start()
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        url = f"ws://127.0.0.1:{port}/ws"
+        procs = [
+            ctx.Process(
+                target=_learner_main,
+                args=(url, f"bench{i}", config.params, config.fragments, config.codec, config.seconds, config.step_hz, i, out),
+                daemon=True,
+            )
+            for i in range(config.learners)
+        ]
+        for p in procs:
+            p.start()
+        # Measure from the first merge on: start-up (spawn, imports, init) is not ingest.
+        while server.state.merges == 0:
+            await asyncio.sleep(0.05)
+            if not any(p.is_alive() for p in procs):
+                raise RuntimeError("every learner process exited before the first merge")
+        t0, m0, b0, c0 = time.perf_counter(), server.state.merges, server.metrics.bytes_in, server.metrics.merge_kernel_s
+        samples_before = len(server.metrics.round_samples_s)
+        while any(p.is_alive() for p in procs):
+            await asyncio.sleep(0.1)
+        wall = time.perf_counter() - t0
+        merges = server.state.merges - m0
+        bytes_in = server.metrics.bytes_in - b0
+        kernel_s = server.metrics.merge_kernel_s - c0
+        rounds = list(server.metrics.round_samples_s)[samples_before:]
+        results = [out.get(timeout=10) for _ in procs]
+        await server.stop(checkpoint=False)
+        return {
+            "merges": merges, "wall_s": wall, "bytes_in": bytes_in, "kernel_s": kernel_s, "rounds": rounds,
+            "learners": results, "rejected": dict(server.state.rejections),
+        }
+
+    raw = asyncio.run(main())
+    rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rounds = sorted(raw["rounds"]) or [float("nan")]
+    model_bytes = 4 * config.params
+    return {
+        "config": asdict(config),
+        "merges_per_s": raw["merges"] / raw["wall_s"],
+        "payload_gbps_in": raw["bytes_in"] / raw["wall_s"] / 1e9,
+        "round_p50_ms": 1000 * statistics.median(rounds),
+        "round_p99_ms": 1000 * rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))],
+        "kernel_share": raw["kernel_s"] / raw["wall_s"],
+        "syncer_peak_rss_bytes": rss_bytes,
+        "rss_over_fp32_model": rss_bytes / model_bytes,
+        "merges": raw["merges"],
+        "wall_s": raw["wall_s"],
+        "rejected": raw["rejected"],
+        "pushes": sum(r["pushes"] for r in raw["learners"]),
+    }
+
+
+def format_report(r: dict) -> str:
+    c = r["config"]
+    rows = [
+        ("learners", f"{c['learners']}"),
+        ("params", f"{c['params'] / 1e6:.1f}M ({c['fragments']} fragments, push {c['codec']}, broadcast {c['broadcast_codec']}, {c['merge']})"),
+        ("measured", f"{r['wall_s']:.1f} s, {r['merges']} merges, {r['pushes']} pushes"),
+        ("merges/s", f"{r['merges_per_s']:.2f}"),
+        ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
+        ("round latency", f"p50 {r['round_p50_ms']:.1f} ms, p99 {r['round_p99_ms']:.1f} ms"),
+        ("core share", f"{100 * r['kernel_share']:.1f}% of wall time in merges (kernels + outer step)"),
+        ("syncer peak RSS", f"{r['syncer_peak_rss_bytes'] / 2**20:.0f} MiB = {r['rss_over_fp32_model']:.2f}x the fp32 model"),
+        ("rejected", f"{r['rejected'] or 'none'}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - a convenience for profiling
+    print(format_report(run_syncer_bench(SyncerBenchConfig(seconds=float(sys.argv[1]) if len(sys.argv) > 1 else 10))))

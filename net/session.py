@@ -1,0 +1,241 @@
+"""Between the wire and the rest: wire messages <-> core events and effects, and the learner's view.
+
+The wire (`net.messages`, `net.wire`) knows frames and fields; the core knows events and effects;
+this module is the one place that maps one onto the other, so neither depends on the other's
+vocabulary. Codec payloads travel without their own header (the message carries codec, block and
+element count), so nothing is said twice on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from ddiloco.core import codec as codecs
+from ddiloco.core import events as ev
+from ddiloco.core.layout import Layout, TensorSpec
+from ddiloco.net import messages as msg
+from ddiloco.net import wire
+
+PROTOCOL_VERSION = wire.PROTOCOL_VERSION
+TENSORS_JSON_BYTES_MAX = 8 << 20
+
+# core error code -> wire error code
+_WIRE_CODE = {
+    "bad_layout": msg.ErrorCode.BAD_LAYOUT,
+    "bad_shape": msg.ErrorCode.BAD_SHAPE,
+    "non_finite": msg.ErrorCode.NON_FINITE,
+    "stale": msg.ErrorCode.STALE,
+    "late": msg.ErrorCode.STALE,
+    "duplicate": msg.ErrorCode.DUPLICATE,
+    "unknown_round": msg.ErrorCode.BAD_MESSAGE,
+    "not_live": msg.ErrorCode.UNEXPECTED_KIND,
+    "bad_counters": msg.ErrorCode.BAD_MESSAGE,
+    "protocol_version": msg.ErrorCode.PROTOCOL_VERSION,
+    "overloaded": msg.ErrorCode.OVERLOADED,
+    "unexpected": msg.ErrorCode.UNEXPECTED_KIND,
+}
+
+
+class SessionError(ValueError):
+    """A well-formed message that makes no sense here (wrong kind for the state, bad payload)."""
+
+    def __init__(self, code: msg.ErrorCode, text: str, *, fatal: bool = False):
+        super().__init__(text)
+        self.code, self.text, self.fatal = code, text, fatal
+
+    def as_wire_error(self) -> wire.WireError:
+        return wire.WireError(self.code, self.text, fatal=self.fatal)
+
+
+# ---- what the learner sees and sends ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WelcomeInfo:
+    learner: int
+    layout: dict  # Layout.describe() of the syncer's layout
+    digest: str
+    versions: tuple[int, ...]
+    global_step: int
+    needs_init: bool
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    fragment: int
+    round: int
+    base_version: int
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    fragment: int
+    version: int
+    encoded: codecs.Encoded  # views into the received buffer
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    code: str
+    text: str
+    fatal: bool
+
+
+@dataclass(frozen=True)
+class ProgressInfo:
+    step: int
+    versions: tuple[int, ...]
+    steps: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushInfo:
+    fragment: int
+    round: int
+    base_version: int
+    steps: int
+    tokens: int
+    payload: bytes  # codec bytes from core.codec.encode (header included; stripped on the wire)
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    fragment: int
+    payload: bytes  # fp32 codec bytes
+
+
+def tensors_json(tensors: tuple[TensorSpec, ...]) -> str:
+    return orjson.dumps([[t.path, list(t.shape), t.dtype, t.embedding] for t in tensors]).decode()
+
+
+def parse_tensors(text: str) -> tuple[TensorSpec, ...]:
+    if len(text) > TENSORS_JSON_BYTES_MAX:
+        raise SessionError(msg.ErrorCode.OVERSIZED, f"tensor list of {len(text)} bytes is above the limit", fatal=True)
+    try:
+        rows = orjson.loads(text)
+        return tuple(TensorSpec(str(p), tuple(s), str(d), bool(e)) for p, s, d, e in rows)
+    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        raise SessionError(msg.ErrorCode.BAD_LAYOUT, f"malformed tensor list in hello: {exc}", fatal=True) from exc
+
+
+def hello_frames(name: str, tensors: tuple[TensorSpec, ...], message_id: int, limits: wire.WireLimits) -> list:
+    hello = msg.Hello(
+        name=name, layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock={},
+        tensors_json=tensors_json(tensors),
+    )
+    return wire.encode(hello, message_id=message_id, limits=limits)
+
+
+def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits) -> list:
+    m = msg.Progress(
+        step=p.step, fragment_steps=p.steps, fragment_tokens=p.tokens, clock={}, held_versions=p.versions
+    )
+    return wire.encode(m, message_id=message_id, limits=limits)
+
+
+def bulk_frames(item: PushInfo | InitInfo, message_id: int, limits: wire.WireLimits) -> list:
+    enc = codecs.parse(item.payload)
+    body = memoryview(item.payload)[codecs.HEADER_BYTES :]
+    if isinstance(item, InitInfo):
+        m = msg.Init(fragment=item.fragment, element_count=enc.elements, clock={}, payload=body)
+    else:
+        m = msg.Push(
+            fragment=item.fragment, round=item.round, base_version=item.base_version, steps=item.steps,
+            tokens=item.tokens, codec=enc.codec.value, block=max(enc.block, 1), element_count=enc.elements, clock={},
+            payload=body,
+        )
+    return wire.encode(m, message_id=message_id, limits=limits)
+
+
+def client_view(m: msg.Message) -> object:
+    """What a learner makes of a syncer message."""
+    if isinstance(m, msg.Welcome):
+        layout = orjson.loads(m.layout_json)
+        return WelcomeInfo(m.learner_id, layout, m.layout_digest, m.versions, m.global_step, m.needs_init)
+    if isinstance(m, msg.Request):
+        return RequestInfo(m.fragment, m.round, m.base_version)
+    if isinstance(m, msg.Update):
+        return UpdateInfo(m.fragment, m.version, _encoded(m.codec.value, 0, m.element_count, m.payload))
+    if isinstance(m, msg.Error):
+        return ErrorInfo(m.code.name.lower(), m.text, m.fatal)
+    return None
+
+
+# ---- what the syncer makes of learner messages ---------------------------------------------------------
+
+
+def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | None) -> ev.Event | None:
+    """The core event for a learner message; SessionError when it is out of place or malformed."""
+    if isinstance(m, msg.Hello):
+        if learner is not None:
+            raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, "a second hello on one connection", fatal=True)
+        return ev.Join(conn, m.name, parse_tensors(m.tensors_json), PROTOCOL_VERSION)
+    if learner is None:
+        raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"{type(m).__name__} before hello", fatal=True)
+    if isinstance(m, msg.Progress):
+        return ev.Progress(learner, m.step, m.held_versions, m.fragment_steps, m.fragment_tokens)
+    if isinstance(m, (msg.Push, msg.Init)):
+        expected = _fragment_size(layout, m.fragment)
+        codec_name = m.codec.value if isinstance(m, msg.Push) else "fp32"
+        block = m.block if isinstance(m, msg.Push) else 0
+        encoded = _encoded(codec_name, block, m.element_count, m.payload, expected)
+        if isinstance(m, msg.Init):
+            return ev.InitFragment(learner, m.fragment, encoded)
+        return ev.Push(learner, m.fragment, m.round, m.base_version, m.steps, m.tokens, encoded)
+    if isinstance(m, msg.Bye):
+        return ev.Disconnect(learner, f"bye: {m.reason}")
+    if isinstance(m, msg.Error):
+        return None  # a learner's complaint: logged by the caller, nothing for the core
+    raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"learners do not send {type(m).__name__}")
+
+
+def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits) -> list:
+    """The frames carrying a core effect that sends something."""
+    if isinstance(effect, ev.SendWelcome):
+        frags = effect.layout["fragments"]
+        m = msg.Welcome(
+            learner_id=effect.learner, layout_digest=effect.digest, fragment_count=len(frags),
+            versions=tuple(max(v, 0) for v in effect.versions), sync_every_steps=1,
+            fragment_offsets=tuple(0 for _ in frags), global_step=effect.global_step, codec="int4",
+            codec_block=effect.layout["block"], clock={}, needs_init=effect.needs_init,
+            layout_json=orjson.dumps(effect.layout).decode(),
+        )
+    elif isinstance(effect, ev.SendRequest):
+        m = msg.Request(fragment=effect.fragment, round=effect.round, base_version=effect.base_version)
+    elif isinstance(effect, ev.SendUpdate):
+        enc = codecs.parse(effect.payload)
+        m = msg.Update(
+            fragment=effect.fragment, version=effect.version, codec=enc.codec.value, element_count=enc.elements,
+            clock={}, payload=memoryview(effect.payload)[codecs.HEADER_BYTES :],
+        )
+    elif isinstance(effect, ev.SendError):
+        m = msg.Error(code=_WIRE_CODE[effect.code], text=effect.text, fatal=effect.fatal)
+    else:
+        raise AssertionError(f"{type(effect).__name__} sends nothing")
+    return wire.encode(m, message_id=message_id, limits=limits)
+
+
+def error_frames(exc: wire.WireError, message_id: int, limits: wire.WireLimits) -> list:
+    return wire.encode(exc.to_message(), message_id=message_id, limits=limits)
+
+
+def is_fatal(exc: wire.WireError) -> bool:
+    return bool(exc.fatal)
+
+
+def _fragment_size(layout: Layout | None, fragment: int) -> int:
+    if layout is None or not 0 <= fragment < layout.num_fragments:
+        raise SessionError(msg.ErrorCode.BAD_SHAPE, f"fragment {fragment} does not exist in the syncer's layout")
+    return layout.fragments[fragment].padded_size
+
+
+def _encoded(codec_name: str, block: int, n: int, body: memoryview, expected: int | None = None) -> codecs.Encoded:
+    """Views into the reassembled payload (the reassembler hands each message a buffer of its own)."""
+    try:
+        codec = codecs.parse_codec(codec_name)
+        return codecs.from_body(codec, block if codec.is_block else 0, n, body, elements=expected)
+    except codecs.CodecError as exc:
+        raise SessionError(msg.ErrorCode.BAD_SHAPE, str(exc)) from exc

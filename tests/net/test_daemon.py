@@ -1,0 +1,355 @@
+"""The real syncer server on 127.0.0.1 (a free port) with real clients over loopback websockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import aiohttp
+import numpy as np
+import pytest
+
+from ddiloco.core import codec, syncer
+from ddiloco.core.config import SyncerConfig
+from ddiloco.core.layout import TensorSpec
+from ddiloco.net import messages as msg
+from ddiloco.net import session, store, wire
+from ddiloco.net.client import ClientConfig, SyncerClient, SyncerRefused
+from ddiloco.net.server import ServerConfig, SyncerServer
+
+TOKEN = "test-token-0123456789abcdef"
+TENSORS = (
+    TensorSpec("embed", (64, 8), embedding=True),
+    TensorSpec("blocks/0/w", (8, 32)),
+    TensorSpec("blocks/1/w", (8, 32)),
+    TensorSpec("head", (8, 16)),
+)
+SMALL = wire.WireLimits(frame_bytes_max=1024)  # small frames: every push is several frames
+
+
+async def until(predicate, timeout_s=10.0, what="condition"):
+    """Wait on a condition (never a bare sleep to 'let things happen')."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class Syncer:
+    def __init__(self, tmp_path, **cfg):
+        cfg.setdefault("num_fragments", 2)
+        cfg.setdefault("period", 2)
+        self.config = SyncerConfig(**cfg)
+        self.dir = tmp_path / "ckpt"
+        self.server = None
+
+    async def start(self, state=None, wire_limits=SMALL):
+        state = state or syncer.new_state(self.config)
+        self.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=self.dir, wire=wire_limits))
+        await self.server.start()
+        return self.server
+
+    @property
+    def ws_url(self):
+        return f"ws://127.0.0.1:{self.server.port}/ws"
+
+    @property
+    def http(self):
+        return f"http://127.0.0.1:{self.server.port}"
+
+
+class Learner:
+    """A minimal learner over the real client: answers requests with small random outer gradients."""
+
+    def __init__(self, url, name, tensors=TENSORS, token=TOKEN, seed=0):
+        self.client = SyncerClient(ClientConfig(url=url, name=name, tensors=tensors, token=token, wire=SMALL))
+        self.rng = np.random.default_rng(seed)
+        self.versions = None
+        self.step = 0
+        self.task = asyncio.create_task(self.client.run())
+
+    async def welcome(self):
+        await asyncio.wait_for(self.client.welcomed.wait(), 10)
+        if self.client.refused:
+            raise self.client.refused
+        w = self.client.inbox.welcome
+        self.layout = w.layout
+        self.sizes = [
+            -(-max(128, sum(int(np.prod(shape)) for _, shape, _, _ in frag)) // 128) * 128 for frag in w.layout["fragments"]
+        ]
+        self.versions = [-1] * len(self.sizes)
+        self.step = w.global_step  # a (re)joining learner continues the syncer's step count
+        if w.needs_init:
+            for p, n in enumerate(self.sizes):
+                self.client.queue_init(p, codec.encode(self.rng.standard_normal(n).astype(np.float32), "fp32"))
+            self.versions = [0] * len(self.sizes)
+        return w
+
+    def absorb(self):
+        box = self.client.inbox
+        for p, u in list(box.updates.items()):
+            self.versions[p] = u.version
+        box.updates.clear()
+
+    def tick(self, tokens=64):
+        self.absorb()
+        self.step += 1
+        n = len(self.sizes)
+        self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (tokens,) * n))
+
+    def answer(self):
+        box = self.client.inbox
+        while box.requests:
+            r = box.requests.popleft()
+            vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
+            self.client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 64, codec.encode(vec, "int4")))
+
+    async def stop(self):
+        await self.client.close()
+        self.task.cancel()
+        try:
+            await self.task
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
+async def train(server, learners, steps):
+    for _ in range(steps):
+        for lr in learners:
+            lr.tick()
+        await asyncio.sleep(0.01)
+        for lr in learners:
+            lr.answer()
+        await asyncio.sleep(0.01)
+
+
+async def two_learners(s):
+    a = Learner(s.ws_url, "a", seed=1)
+    wa = await a.welcome()
+    assert wa.needs_init
+    b = Learner(s.ws_url, "b", seed=2)
+    wb = await b.welcome()
+    assert not wb.needs_init
+    await until(lambda: s.server.state.holds_parameters, what="initial parameters")
+    await until(lambda: len(b.client.inbox.updates) == 2, what="recovery updates")
+    return a, b
+
+
+async def test_learners_join_init_and_merge_over_real_sockets(tmp_path):
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 12)
+    await until(lambda: s.server.state.merges >= 4, what="merges")
+    assert s.server.state.init_source == "learner 1"
+    async with aiohttp.ClientSession() as http:
+        status = await (await http.get(f"{s.http}/status")).json()
+        metrics = await (await http.get(f"{s.http}/metrics")).text()
+        health = await (await http.get(f"{s.http}/healthz")).text()
+    assert health == "ok\n"
+    assert {l["status"] for l in status["learners"]} == {"live"}
+    assert status["merges"] >= 4 and all(f["version"] >= 1 for f in status["fragments"])
+    assert any("merged" in d["reason"] for d in status["decisions"])
+    assert "ddiloco_merges_total" in metrics and 'ddiloco_round_seconds_bucket{le="+Inf"}' in metrics
+    s.server.state.ledger.check()
+    await a.stop()
+    await b.stop()
+    await s.server.stop()
+
+
+async def test_wrong_or_missing_token_is_refused_before_upgrade(tmp_path):
+    s = Syncer(tmp_path)
+    await s.start()
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as info:
+                await http.ws_connect(s.ws_url, headers=headers)
+            assert info.value.status == 401
+    bad = Learner(s.ws_url, "x", token="not-the-token-0123456789")
+    with pytest.raises(SyncerRefused, match="401"):
+        await bad.welcome()
+    await bad.stop()
+    await s.server.stop()
+
+
+async def test_layout_mismatch_is_a_clear_fatal_error(tmp_path):
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    other = TENSORS[:-1] + (TensorSpec("head", (8, 17)),)
+    c = Learner(s.ws_url, "c", tensors=other)
+    with pytest.raises(SyncerRefused, match="bad_layout.*head"):
+        await c.welcome()
+    for lr in (a, b, c):
+        await lr.stop()
+    await s.server.stop()
+
+
+async def raw_socket(s):
+    http = aiohttp.ClientSession()
+    ws = await http.ws_connect(s.ws_url, headers={"Authorization": f"Bearer {TOKEN}"}, max_msg_size=SMALL.max_msg_size)
+    return http, ws
+
+
+async def next_error(ws):
+    reassembler = wire.Reassembler(SMALL)
+    while True:
+        m = await asyncio.wait_for(ws.receive(), 5)
+        assert m.type is aiohttp.WSMsgType.BINARY, m
+        message = reassembler.feed(m.data)
+        if isinstance(message, msg.Error):
+            return message
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"\x00" * 7, os.urandom(100), b"DDLC" + os.urandom(60)],
+)
+async def test_garbage_frames_get_an_error_frame_and_touch_nothing(tmp_path, garbage):
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 4)
+    before = syncer.state_hash(s.server.state)
+    http, ws = await raw_socket(s)
+    await ws.send_bytes(garbage)
+    err = await next_error(ws)
+    assert err.code in (msg.ErrorCode.BAD_FRAME, msg.ErrorCode.CHECKSUM, msg.ErrorCode.PROTOCOL_VERSION)
+    await ws.close()
+    await http.close()
+    assert syncer.state_hash(s.server.state) == before
+    assert sum(s.server.metrics.wire_errors.values()) >= 1
+    await train(s.server, [a, b], 4)  # the daemon is still serving
+    await until(lambda: s.server.state.merges > 0, what="merges after garbage")
+    await a.stop()
+    await b.stop()
+    await s.server.stop()
+
+
+async def test_learner_dying_half_way_through_a_push(tmp_path):
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    vec = np.ones(a.sizes[0], dtype=np.float32)
+    push = session.PushInfo(0, 1, 0, 1, 64, codec.encode(vec, "fp32"))
+    frames = session.bulk_frames(push, 99, SMALL)
+    assert len(frames) > 2
+    # a third learner says hello, sends the first half of a push, and dies
+    http, ws = await raw_socket(s)
+    for f in session.hello_frames("c", TENSORS, 1, SMALL):
+        await ws.send_bytes(bytes(f))
+    await until(lambda: 3 in s.server.state.learners, what="third learner joined")
+    before = syncer.state_hash(s.server.state)
+    for f in frames[: len(frames) // 2]:
+        await ws.send_bytes(bytes(f))
+    await ws.close()
+    await http.close()
+    await until(lambda: s.server.state.learners[3].status is syncer.LearnerStatus.GONE, what="c gone")
+    assert syncer.state_hash(s.server.state) == before  # nothing half-received reached the core
+    await train(s.server, [a, b], 6)
+    await until(lambda: s.server.state.merges >= 2, what="merges after the death")
+    s.server.state.ledger.check()
+    await a.stop()
+    await b.stop()
+    await s.server.stop()
+
+
+async def test_stale_push_rejected_with_reason_and_current_version_resent(tmp_path):
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 6)
+    await until(lambda: s.server.state.merges >= 2, what="merges")
+    state = s.server.state
+    frag = next(p for p, f in enumerate(state.fragments) if f.version >= 1)
+    a.tick()
+    a.tick()
+    a.tick()
+    await until(lambda: state.fragments[frag].open is not None, what="an open round")
+    rnd = state.fragments[frag].open.number
+    vec = np.zeros(a.sizes[frag], dtype=np.float32)
+    a.client.inbox.updates.clear()
+    a.client.queue_push(session.PushInfo(frag, rnd, 0, 1, 64, codec.encode(vec, "int4")))
+    await until(lambda: any(e.code == "stale" for e in a.client.inbox.errors), what="stale error")
+    err = next(e for e in a.client.inbox.errors if e.code == "stale")
+    assert "base version 0" in err.text
+    await until(lambda: frag in a.client.inbox.updates, what="resent version")
+    await a.stop()
+    await b.stop()
+    await s.server.stop()
+
+
+async def test_resume_from_checkpoint_to_identical_state_and_resume_of_resume(tmp_path):
+    s = Syncer(tmp_path, checkpoint_every_merges=2)
+    await s.start()
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 10)
+    await until(lambda: s.server.state.merges >= 4, what="merges")
+    await a.stop()
+    await b.stop()
+    await s.server.stop()  # writes a last checkpoint
+    final = syncer.state_hash(s.server.state)
+    resumed, path = store.newest_valid(s.dir)
+    assert syncer.state_hash(resumed) == final
+    # the resumed syncer serves again; learners reconnect and merging continues from there
+    s2 = Syncer(tmp_path)
+    s2.dir = s.dir
+    merges_before = resumed.merges
+    await s2.start(resumed)
+    c = Learner(s2.ws_url, "c", seed=5)
+    assert not (await c.welcome()).needs_init
+    await until(lambda: len(c.client.inbox.updates) == 2, what="recovery")
+    versions_before = [f.version for f in resumed.fragments]
+    await train(s2.server, [c], 8)
+    await until(lambda: s2.server.state.merges > merges_before, what="merges after resume")
+    assert any(f.version > v for f, v in zip(s2.server.state.fragments, versions_before))
+    await c.stop()
+    await s2.server.stop()
+    again, _ = store.newest_valid(s.dir)
+    assert syncer.state_hash(again) == syncer.state_hash(s2.server.state)
+
+
+async def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
+    s = Syncer(tmp_path, checkpoint_every_merges=1)
+    await s.start()
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 6)
+    await until(lambda: s.server.metrics.checkpoints >= 2, what="two checkpoints")
+    await a.stop()
+    await b.stop()
+    await s.server.stop(checkpoint=False)
+    files = sorted(s.dir.glob("ckpt-*.ddck"))
+    newest = files[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    state, path = store.newest_valid(s.dir)
+    assert path == files[-2]
+    assert "skipping checkpoint" in caplog.text
+
+
+async def test_learner_that_does_not_read_is_dropped_not_buffered(tmp_path):
+    from ddiloco.net.connection import QueueLimits
+
+    s = Syncer(tmp_path)
+    state = syncer.new_state(s.config)
+    s.server = SyncerServer(
+        state,
+        ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL, queues=QueueLimits(bulk_messages_queued_max=1)),
+    )
+    await s.server.start()
+    a = Learner(s.ws_url, "a", seed=1)
+    await a.welcome()
+    await until(lambda: s.server.state.holds_parameters, what="init")
+    # a joining learner is owed one update per fragment at once: two bulk messages, one allowed
+    http, ws = await raw_socket(s)
+    for f in session.hello_frames("slow", TENSORS, 1, SMALL):
+        await ws.send_bytes(bytes(f))
+    await until(lambda: s.server.metrics.dropped_slow == 1, what="the slow learner dropped")
+    await until(lambda: s.server.state.learners[2].status is syncer.LearnerStatus.GONE, what="slow learner gone")
+    await ws.close()
+    await http.close()
+    await a.stop()
+    await s.server.stop()
