@@ -100,6 +100,7 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
     from ddiloco.net.server import ServerConfig, SyncerServer
 
     kernels.warmup()
+    rss_before = _rss_now()
     core_cfg = SyncerConfig(
         num_fragments=config.fragments, period=config.fragments, merge=config.merge,
         broadcast_codec=config.broadcast_codec, learners_max=max(8, config.learners),
@@ -144,6 +145,7 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
 
     raw = asyncio.run(main())
     rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_model = rss_bytes - rss_before  # what the syncer's state and traffic added to the process
     rounds = sorted(raw["rounds"]) or [float("nan")]
     model_bytes = 4 * config.params
     return {
@@ -155,11 +157,22 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "kernel_share": raw["kernel_s"] / raw["wall_s"],
         "syncer_peak_rss_bytes": rss_bytes,
         "rss_over_fp32_model": rss_bytes / model_bytes,
+        "rss_before_bytes": rss_before,
+        "added_rss_over_fp32_model": rss_model / model_bytes,
         "merges": raw["merges"],
         "wall_s": raw["wall_s"],
         "rejected": raw["rejected"],
         "pushes": sum(r["pushes"] for r in raw["learners"]),
     }
+
+
+def _rss_now() -> int:
+    """Resident set size of this process now, in bytes (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
 
 
 def format_report(r: dict) -> str:
@@ -172,7 +185,9 @@ def format_report(r: dict) -> str:
         ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
         ("round latency", f"p50 {r['round_p50_ms']:.1f} ms, p99 {r['round_p99_ms']:.1f} ms"),
         ("core share", f"{100 * r['kernel_share']:.1f}% of wall time in merges (kernels + outer step)"),
-        ("syncer peak RSS", f"{r['syncer_peak_rss_bytes'] / 2**20:.0f} MiB = {r['rss_over_fp32_model']:.2f}x the fp32 model"),
+        ("syncer peak RSS", f"{r['syncer_peak_rss_bytes'] / 2**20:.0f} MiB = {r['rss_over_fp32_model']:.2f}x the fp32 model "
+                            f"({r['added_rss_over_fp32_model']:.2f}x above the {r['rss_before_bytes'] / 2**20:.0f} MiB "
+                            "the process held before the model)"),
         ("rejected", f"{r['rejected'] or 'none'}"),
     ]
     width = max(len(k) for k, _ in rows)

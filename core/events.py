@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+import numpy as np
+
 from ddiloco.core.codec import Encoded
 from ddiloco.core.layout import TensorSpec
 
@@ -98,10 +100,17 @@ class SendRequest:
 
 @dataclass(frozen=True)
 class SendUpdate:
+    """A new version of a fragment for some learners.
+
+    `values` is float32 (fp32 broadcast: a read-only view of the syncer's own fragment, no copy) or
+    uint16 (bf16). It is valid only until the next `handle` call, which may merge into the fragment
+    in place: the shell copies it into frames before it calls `handle` again."""
+
     learners: tuple[int, ...]
     fragment: int
     version: int
-    payload: bytes  # codec bytes (fp32 or bf16), immutable so it can be sent after the next merge
+    codec: str  # "fp32" | "bf16"
+    values: np.ndarray = field(repr=False)
 
 
 @dataclass(frozen=True)

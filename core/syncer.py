@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddiloco import kernels
 from ddiloco.core import codec as codecs
 from ddiloco.core import outer
 from ddiloco.core.config import SyncerConfig
@@ -150,7 +151,8 @@ class SyncerState:
 
 
 def new_state(config: SyncerConfig, layout: Layout | None = None, params: list[np.ndarray] | None = None) -> SyncerState:
-    """A syncer holding `params` (one float32[padded] per fragment of `layout`), or nothing yet: then
+    """A syncer holding `params` (one float32[padded] per fragment of `layout`; the state takes
+    ownership of writable contiguous arrays and updates them in place), or nothing yet: then
     the first learner's hello decides the layout and that learner is asked for the initial values."""
     if params is not None and layout is None:
         raise ValueError("initial parameters need their layout")
@@ -270,12 +272,13 @@ def _checked_params(layout: Layout, p: int, values: np.ndarray | None) -> np.nda
     if not 0 <= p < layout.num_fragments:
         raise ValueError(f"fragment index {p} out of range [0, {layout.num_fragments})")
     spec = layout.fragments[p]
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    if values.shape != (spec.padded_size,):
-        raise ValueError(f"fragment {p} needs {spec.padded_size} values, got shape {values.shape}")
-    if not np.isfinite(values).all():
+    if values.dtype != np.float32 or values.shape != (spec.padded_size,):
+        raise ValueError(f"fragment {p} needs {spec.padded_size} float32 values, got {values.dtype} {values.shape}")
+    if not kernels.all_finite(values):
         raise ValueError(f"fragment {p} has NaN or Inf values")
-    return values.copy()
+    if not values.flags.writeable or not values.flags.c_contiguous:
+        values = np.ascontiguousarray(values).copy()  # the syncer owns and updates its fragments in place
+    return values
 
 
 # ---- progress, the global step and opening rounds --------------------------------------------------
@@ -467,8 +470,12 @@ def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, re
 
 def _update_for(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUpdate:
     frag = state.fragments[p]
-    payload = codecs.encode(frag.theta, state.config.broadcast_codec)
-    return SendUpdate(learners, p, frag.version, payload)
+    if state.config.broadcast_codec is codecs.Codec.BF16:
+        values = kernels.to_bf16(frag.theta)
+    else:
+        values = frag.theta.view()
+        values.flags.writeable = False
+    return SendUpdate(learners, p, frag.version, state.config.broadcast_codec.value, values)
 
 
 def _full_update(state: SyncerState, learners: tuple[int, ...]) -> list[Effect]:

@@ -2,8 +2,13 @@
 
 Control frames (welcome, request, error) go out before any further bulk frame, so a small message
 never waits behind a 100 MB fragment update; the wire's per-frame message ids let the learner
-reassemble both. Both queues are bounded: a learner that stops reading fills them and is dropped
-rather than allowed to grow the syncer's memory.
+reassemble both.
+
+Memory stays bounded whatever the learners do. A queued fragment update that has not started to go
+out is replaced by a newer version of the same fragment (the learner would overwrite it anyway), so
+a connection holds at most one pending message per fragment, and the frames of one version are
+shared by every connection. Both queues have a length limit, and a send that cannot make progress
+for `send_stall_s_max` (the peer stopped reading and the socket buffer is full) drops the learner.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ class SlowPeerError(RuntimeError):
 @dataclass(frozen=True)
 class QueueLimits:
     control_frames_queued_max: int = 1024
-    bulk_messages_queued_max: int = 4  # whole fragment updates waiting for one learner
+    bulk_messages_queued_max: int = 256  # distinct fragments with an update waiting for one learner
+    send_stall_s_max: float = 30.0  # one frame that cannot be written for this long: the peer is gone
 
     def __post_init__(self) -> None:
         if self.control_frames_queued_max < 1 or self.bulk_messages_queued_max < 1:
             raise ValueError("queue limits must be at least 1")
+        if not self.send_stall_s_max > 0:
+            raise ValueError("send_stall_s_max must be positive")
 
 
 @dataclass
@@ -37,8 +45,10 @@ class Connection:
     limits: QueueLimits
     learner: int | None = None
     control: deque = field(default_factory=deque)
-    bulk: deque = field(default_factory=deque)  # each item: a deque of frames of one message
+    bulk: deque = field(default_factory=deque)  # each item: [key, deque of frames of one message]
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    sending_bulk: bool = False  # the head of `bulk` has started to go out
+    in_send: bool = False  # a frame is being written right now
     bytes_out: int = 0
     frames_out: int = 0
     closed: bool = False
@@ -49,11 +59,27 @@ class Connection:
         self.control.extend(frames)
         self.wake.set()
 
-    def send_bulk(self, frames: Sequence[bytes]) -> None:
+    def send_bulk(self, frames: Sequence[bytes], key: object = None) -> None:
+        """Queue a bulk message; one not yet started with the same `key` (fragment) is replaced."""
+        if key is not None:
+            for i, (queued_key, queued) in enumerate(self.bulk):
+                started = i == 0 and self.sending_bulk
+                if queued_key == key and not started:
+                    self.bulk[i] = [key, deque(frames)]
+                    self.wake.set()
+                    return
         if len(self.bulk) >= self.limits.bulk_messages_queued_max:
             raise SlowPeerError(f"{len(self.bulk)} bulk messages already queued")
-        self.bulk.append(deque(frames))
+        self.bulk.append([key, deque(frames)])
         self.wake.set()
+
+    async def flush_control(self, timeout_s: float) -> None:
+        """Wait (bounded) until every queued control frame has been written: an error frame that
+        explains a close goes out before the close."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (self.control or self.in_send) and not self.closed and loop.time() < deadline:
+            await asyncio.sleep(0.001)
 
     async def write_loop(self) -> None:
         """Send until closed; control frames first, then one bulk frame at a time."""
@@ -64,10 +90,17 @@ class Connection:
                 if self.control:
                     frame = self.control.popleft()
                 else:
-                    current = self.bulk[0]
+                    current = self.bulk[0][1]
                     frame = current.popleft()
+                    self.sending_bulk = bool(current)
                     if not current:
                         self.bulk.popleft()
-                await self.ws.send_bytes(frame)
+                self.in_send = True
+                try:
+                    await asyncio.wait_for(self.ws.send_bytes(frame), self.limits.send_stall_s_max)
+                except asyncio.TimeoutError:
+                    raise SlowPeerError(f"a frame could not be sent for {self.limits.send_stall_s_max} s") from None
+                finally:
+                    self.in_send = False
                 self.bytes_out += len(frame)
                 self.frames_out += 1

@@ -51,6 +51,8 @@ from ddiloco.net.telemetry import Metrics, render_prometheus, status_document
 
 log = logging.getLogger("ddiloco.syncer")
 
+CLOSE_FLUSH_S_MAX = 1.0  # how long a closing connection may take to send the error that explains it
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -184,7 +186,7 @@ class SyncerServer:
             for learner in effect.learners:
                 conn = self._by_learner.get(learner)
                 if conn is not None:
-                    self._queue(conn, frames, bulk=True)
+                    self._queue(conn, frames, bulk=True, key=effect.fragment)
         elif isinstance(effect, ArmTimer):
             delay = max(0.0, effect.at - self.clock())
             asyncio.get_running_loop().call_later(delay, self._fire, TimerFired(effect.fragment, effect.round))
@@ -215,9 +217,12 @@ class SyncerServer:
             return self._conns.get(effect.conn)
         return self._by_learner.get(effect.learner)
 
-    def _queue(self, conn: Connection, frames: list[bytes], *, bulk: bool) -> None:
+    def _queue(self, conn: Connection, frames: list[bytes], *, bulk: bool, key: object = None) -> None:
         try:
-            (conn.send_bulk if bulk else conn.send_control)(frames)
+            if bulk:
+                conn.send_bulk(frames, key)
+            else:
+                conn.send_control(frames)
         except SlowPeerError as exc:
             self.metrics.dropped_slow += 1
             log.warning("dropping learner %s: it does not read (%s)", conn.learner, exc)
@@ -248,7 +253,7 @@ class SyncerServer:
         conn = Connection(next(self._conn_ids), ws, self.config.queues)
         self._conns[conn.conn_id] = conn
         reassembler = wire.Reassembler(self.config.wire)
-        writer = asyncio.create_task(conn.write_loop(), name=f"ddiloco-writer-{conn.conn_id}")
+        writer = asyncio.create_task(self._write(conn), name=f"ddiloco-writer-{conn.conn_id}")
         try:
             async for msg in ws:
                 if msg.type is not WSMsgType.BINARY:
@@ -264,6 +269,18 @@ class SyncerServer:
             writer.cancel()
             await self._forget(conn, "connection closed")
         return ws
+
+    async def _write(self, conn: Connection) -> None:
+        try:
+            await conn.write_loop()
+        except SlowPeerError as exc:
+            self.metrics.dropped_slow += 1
+            log.warning("dropping learner %s: %s", conn.learner, exc)
+            conn.closed = True
+            await conn.ws.close(code=1008, message=b"slow peer")
+        except (ConnectionError, RuntimeError) as exc:  # the socket went away under the writer
+            log.info("connection %d: writer stopped: %s", conn.conn_id, exc)
+            conn.closed = True
 
     async def _on_frame(self, conn: Connection, reassembler: "wire.Reassembler", data: bytes) -> bool:
         """Decode one frame; False when the connection must close."""
@@ -295,18 +312,13 @@ class SyncerServer:
             pass  # it is being closed anyway
         fatal = session.is_fatal(exc)
         if fatal:
-            await asyncio.sleep(0)  # let the writer flush the error frame
             await self._close(conn, str(exc))
         return not fatal
 
     async def _close(self, conn: Connection, reason: str) -> None:
         if conn.closed:
             return
-        # Flush what is queued (the error frame that explains the close), then close.
-        for _ in range(100):
-            if not conn.control:
-                break
-            await asyncio.sleep(0.001)
+        await conn.flush_control(CLOSE_FLUSH_S_MAX)
         conn.closed = True
         conn.wake.set()
         await conn.ws.close(code=1008, message=reason[:120].encode())

@@ -206,10 +206,9 @@ def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits) -> l
     elif isinstance(effect, ev.SendRequest):
         m = msg.Request(fragment=effect.fragment, round=effect.round, base_version=effect.base_version)
     elif isinstance(effect, ev.SendUpdate):
-        enc = codecs.parse(effect.payload)
         m = msg.Update(
-            fragment=effect.fragment, version=effect.version, codec=enc.codec.value, element_count=enc.elements,
-            clock={}, payload=memoryview(effect.payload)[codecs.HEADER_BYTES :],
+            fragment=effect.fragment, version=effect.version, codec=effect.codec, element_count=effect.values.size,
+            clock={}, payload=effect.values,
         )
     elif isinstance(effect, ev.SendError):
         m = msg.Error(code=_WIRE_CODE[effect.code], text=effect.text, fatal=effect.fatal)

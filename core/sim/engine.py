@@ -41,11 +41,16 @@ _JOIN_DEADLINE = 2
 
 
 @njit(nogil=True, cache=True)
-def _pause(pause_end, heap, m, t, length_s, stats):  # starts a pause unless one is running
-    if t >= pause_end[m]:
-        pause_end[m] = t + length_s
-        heapq.heappush(heap, (t + length_s, _PAUSE_END, m))
-        stats[STAT_RECONFIGURATIONS] += 1.0
+def _pause(pause_end, m, t, length_s, stats):
+    """Start a pause of learner m unless one is running (a change during a pause folds into it).
+
+    Returns the new pause end, or -1.0 when none started; the caller queues the end event.
+    """
+    if t < pause_end[m]:
+        return -1.0
+    pause_end[m] = t + length_s
+    stats[STAT_RECONFIGURATIONS] += 1.0
+    return pause_end[m]
 
 
 @njit(nogil=True, cache=True)
@@ -121,7 +126,9 @@ def run_events(
             m = fail_learner[i]
             if not elastic:
                 stats[STAT_INTERRUPTIONS] += 1.0
-                _pause(pause_end, heap, m, t, restart_s, stats)
+                end = _pause(pause_end, m, t, restart_s, stats)
+                if end >= 0.0:
+                    heapq.heappush(heap, (end, _PAUSE_END, m))
             else:
                 x = fail_pick[i] * slices[m]
                 if x < repairing[m]:
@@ -139,7 +146,9 @@ def run_events(
                     active[m] += waiting[m]
                     waiting[m] = 0
                     deadline[m] = np.inf
-                    _pause(pause_end, heap, m, t, scale_down_s, stats)
+                    end = _pause(pause_end, m, t, scale_down_s, stats)
+                    if end >= 0.0:
+                        heapq.heappush(heap, (end, _PAUSE_END, m))
             i += 1
         else:
             _, kind, m = heapq.heappop(heap)
@@ -150,7 +159,9 @@ def run_events(
                     active[m] += waiting[m]
                     waiting[m] = 0
                     deadline[m] = np.inf
-                    _pause(pause_end, heap, m, t, scale_up_s, stats)
+                    end = _pause(pause_end, m, t, scale_up_s, stats)
+                    if end >= 0.0:
+                        heapq.heappush(heap, (end, _PAUSE_END, m))
                 elif deadline[m] == np.inf and join_wait_s < np.inf:
                     deadline[m] = t + join_wait_s
                     heapq.heappush(heap, (deadline[m], _JOIN_DEADLINE, m))
@@ -159,7 +170,9 @@ def run_events(
                 if waiting[m] > 0:
                     active[m] += waiting[m]
                     waiting[m] = 0
-                    _pause(pause_end, heap, m, t, scale_up_s, stats)
+                    end = _pause(pause_end, m, t, scale_up_s, stats)
+                    if end >= 0.0:
+                        heapq.heappush(heap, (end, _PAUSE_END, m))
             # _PAUSE_END (or a superseded deadline) changes no count: the rate below picks it up.
         rate, n_prog = _rate(active, pause_end, speed, t, quorum, chips_per_slice, spread, buf)
     return stats

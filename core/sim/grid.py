@@ -62,8 +62,15 @@ def run_cell(
         uptime_std=float(u.std(ddof=ddof)),
         partial_share=float(p.mean()),
         partial_share_std=float(p.std(ddof=ddof)),
-        paper=paper_goodput(system.system, system.learners, cluster.chips),
+        paper=_paper(cluster, system),
     )
+
+
+def _paper(cluster: ClusterConfig, system: SystemConfig) -> float | None:
+    """The paper's value only for its own setting: MTBI 1 chip-year, K = 1, no speed spread."""
+    if cluster.mtbi_chip_years != TABLE1_MTBI_CHIP_YEARS or system.quorum != 1 or system.speed_sigma != 0:
+        return None
+    return paper_goodput(system.system, system.learners, cluster.chips)
 
 
 def table1_systems() -> list[SystemConfig]:

@@ -58,3 +58,38 @@ def test_queues_are_bounded():
 def test_limits_validated():
     with pytest.raises(ValueError):
         QueueLimits(bulk_messages_queued_max=0)
+
+
+def test_newer_update_of_a_fragment_replaces_the_queued_one():
+    conn = Connection(1, RecordingSocket(), QueueLimits(bulk_messages_queued_max=2))
+    conn.send_bulk([b"f0v1"], key=0)
+    conn.send_bulk([b"f1v1"], key=1)
+    conn.send_bulk([b"f0v2"], key=0)  # replaces, does not count against the limit
+    assert [list(frames) for _, frames in conn.bulk] == [[b"f0v2"], [b"f1v1"]]
+
+
+async def test_a_message_already_going_out_is_not_replaced():
+    ws = RecordingSocket()
+    conn = Connection(1, ws, QueueLimits())
+    ws.stall = True
+    conn.send_bulk([b"a1", b"a2"], key=0)
+    writer = asyncio.create_task(conn.write_loop())
+    await asyncio.wait_for(ws.stalled.wait(), 5)  # a1 is on its way
+    conn.send_bulk([b"b1"], key=0)
+    ws.stall = False
+    ws.release.set()
+    while len(ws.sent) < 3:
+        await asyncio.sleep(0.001)
+    assert ws.sent == [b"a1", b"a2", b"b1"]  # the started message finishes whole, then the new one
+    conn.closed = True
+    conn.wake.set()
+    await asyncio.wait_for(writer, 5)
+
+
+async def test_a_send_that_stalls_too_long_is_a_slow_peer():
+    ws = RecordingSocket()
+    ws.stall = True
+    conn = Connection(1, ws, QueueLimits(send_stall_s_max=0.05))
+    conn.send_control([b"x"])
+    with pytest.raises(SlowPeerError, match="could not be sent"):
+        await asyncio.wait_for(conn.write_loop(), 5)
