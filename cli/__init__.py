@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("ddiloco.cli.syncer", "run the syncer daemon"),
     "status": ("ddiloco.cli.status", "print a syncer's status JSON"),
     "bench": ("ddiloco.cli.bench", "run a benchmark and print its table"),
+    "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),
 }
 
 

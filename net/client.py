@@ -44,6 +44,7 @@ class ClientConfig:
     reconnect_s_min: float = 0.05
     reconnect_s_max: float = 5.0
     connect_timeout_s: float = 10.0
+    heartbeat_s: float = 20.0  # websocket ping interval; a syncer silent for half of it is gone
     progress_queued_max: int = 64  # coalesced beyond this: only the newest progress matters
     pushes_queued_max: int = 2  # outer gradients waiting to go out (one in flight per fragment)
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
@@ -134,7 +135,8 @@ class SyncerClient:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             try:
                 ws = await http.ws_connect(
-                    self.config.url, headers=headers, max_msg_size=self.config.wire.max_msg_size, heartbeat=5.0
+                    self.config.url, headers=headers, max_msg_size=self.config.wire.max_msg_size,
+                    heartbeat=self.config.heartbeat_s
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 401:
@@ -146,6 +148,9 @@ class SyncerClient:
                 hello = session.hello_frames(self.config.name, self.config.tensors, next(self._ids), self.config.wire)
                 for frame in hello:
                     await ws.send_bytes(frame)
+                # The protocol: nothing after the hello until the welcome (the syncer has no learner
+                # id for this connection before then). The reader sets `welcomed`.
+                self.welcomed.clear()
                 writer = asyncio.create_task(self._write_loop(ws))
                 try:
                     await self._read_loop(ws)
@@ -185,6 +190,9 @@ class SyncerClient:
                 raise SyncerRefused(f"syncer refused this learner: {item.code}: {item.text}")
 
     async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        await self.welcomed.wait()
+        if self.refused is not None:
+            return
         bulk_frames: deque = deque()
         while not self._closing:
             if not (self._progress or self._control or self._bulk or bulk_frames):

@@ -62,7 +62,7 @@ class ServerConfig:
     checkpoint_dir: Path | None = None
     checkpoints_kept: int = store.CHECKPOINTS_KEPT_DEFAULT
     events_queued_max: int = 4096
-    heartbeat_s: float = 5.0  # websocket ping interval; a peer that stops answering is closed
+    heartbeat_s: float = 20.0  # websocket ping interval; a peer silent for half of it is closed
     queues: QueueLimits = field(default_factory=QueueLimits)
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
 
