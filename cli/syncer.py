@@ -100,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None and args.init is not None:
         raise ValueError("--resume and --init exclude each other: a resumed syncer already holds parameters")
     if args.resume is not None:
-        state, path = store.newest_valid(args.resume)
+        try:
+            state, path = store.newest_valid(args.resume)
+        except store.StoreError as exc:
+            raise ValueError(f"cannot resume: {exc}") from exc
         config = state.config
         log.info("config %s", orjson.dumps({"resumed_from": str(path), **config.to_dict()}).decode())
         log.info("resumed from %s: %d merges, global step %d", path.name, state.merges, state.global_step)

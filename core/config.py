@@ -37,7 +37,7 @@ class SyncerConfig:
     learners_max: int = 256
     decisions_kept: int = 64
     checkpoint_every_merges: int = 0  # 0: never by count
-    checkpoint_every_s: float = 0.0  # 0: never by time
+    checkpoint_every_s: float = 300.0  # 0: never by time (checkpoints need a directory too)
 
     def __post_init__(self) -> None:
         _int_in("num_fragments", self.num_fragments, 1, FRAGMENTS_MAX)
