@@ -353,3 +353,40 @@ async def test_learner_that_does_not_read_is_dropped_not_buffered(tmp_path):
     await http.close()
     await a.stop()
     await s.server.stop()
+
+
+async def test_threaded_client_for_synchronous_training_loops(tmp_path):
+    from ddiloco.net.client import ThreadedClient
+
+    s = Syncer(tmp_path)
+    await s.start()
+    loop = asyncio.get_running_loop()
+    cfg = ClientConfig(url=s.ws_url, name="sync", tensors=TENSORS, token=TOKEN, wire=SMALL)
+    tc = await loop.run_in_executor(None, ThreadedClient, cfg)
+    try:
+        welcome = await loop.run_in_executor(None, tc.wait_welcome, 10.0)
+        assert welcome.needs_init and welcome.learner == 1
+        sizes = [f.padded_size for f in s.server.state.layout.fragments]
+        for p, n in enumerate(sizes):
+            tc.init(p, codec.encode(np.full(n, 0.5, dtype=np.float32), "fp32"))
+        await until(lambda: s.server.state.holds_parameters, what="init through the thread")
+        tc.progress(session.ProgressInfo(1, (0, 0), (1, 1), (10, 10)))
+        await until(lambda: s.server.state.global_step == 1, what="progress through the thread")
+        requests, updates, errors = await loop.run_in_executor(None, tc.take)
+        assert [r.fragment for r in requests] == [1] and not errors
+    finally:
+        await loop.run_in_executor(None, tc.close)
+        await s.server.stop()
+
+
+async def test_wrong_url_reports_the_last_error(tmp_path):
+    from ddiloco.net.client import ThreadedClient
+
+    loop = asyncio.get_running_loop()
+    cfg = ClientConfig(url="ws://127.0.0.1:9/ws", name="lost", tensors=TENSORS, token=TOKEN, reconnect_s_max=0.1)
+    tc = await loop.run_in_executor(None, ThreadedClient, cfg)
+    try:
+        with pytest.raises(TimeoutError, match="no welcome from the syncer.*last error"):
+            await loop.run_in_executor(None, tc.wait_welcome, 1.0)
+    finally:
+        await loop.run_in_executor(None, tc.close)
