@@ -349,7 +349,7 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
             state.ledger.fate(ev.learner, ev.fragment, ev.tokens, rejection.fate)
         _reject(state, ev.learner, rejection, out)
         if rejection.code == "stale":
-            out.append(_update_for(state, ev.fragment, (ev.learner,)))
+            out.append(update_effect(state, ev.fragment, (ev.learner,)))
         return
     frag = state.fragments[ev.fragment]
     rnd = frag.open
@@ -453,7 +453,7 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
         f"{why}{late_text}{fallback}"
     )
     _decide(state, now, p, rnd, "merged", reason, out)
-    out.append(_update_for(state, p, tuple(r.id for r in state.connected() if r.status in _RECEIVERS)))
+    out.append(update_effect(state, p, tuple(r.id for r in state.connected() if r.status in _RECEIVERS)))
     out.append(Merged(p, frag.version, info.learners, info.weights, rnd.grace_s, now - rnd.opened_at))
 
 
@@ -468,7 +468,8 @@ def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, re
     out.append(Log("info", f"fragment {p} round {rnd.number}: {reason}"))
 
 
-def _update_for(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUpdate:
+def update_effect(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUpdate:
+    """The effect that sends the current version of fragment p to `learners`."""
     frag = state.fragments[p]
     if state.config.broadcast_codec is codecs.Codec.BF16:
         values = kernels.to_bf16(frag.theta)
@@ -479,7 +480,7 @@ def _update_for(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUp
 
 
 def _full_update(state: SyncerState, learners: tuple[int, ...]) -> list[Effect]:
-    return [_update_for(state, p, learners) for p in range(len(state.fragments))]
+    return [update_effect(state, p, learners) for p in range(len(state.fragments))]
 
 
 # ---- learners leaving, costs, checkpoints, rejections --------------------------------------------------

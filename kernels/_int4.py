@@ -20,11 +20,11 @@ import numpy as np
 from numba import njit, prange
 
 from ddiloco.kernels import _checks
-from ddiloco.kernels._errors import KernelInputError
-from ddiloco.kernels._parallelism import slice_bounds, use_parallel
+from ddiloco.kernels._blockcodec import BlockCodec
 
 CODE_MAX = 7
 _CODE_OFFSET = 8
+_PER_BYTE = 2  # two nibbles to a byte
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _NONFINITE_BITS = np.uint32(0x7F800000)  # |x| bit patterns at or above this are Inf or NaN
 
@@ -117,49 +117,31 @@ def _accumulate_parallel(acc, weight, codes, scales, block, bounds):
         _accumulate_serial(acc[a:b], weight, codes[a // 2 : b // 2], scales[a // block : b // block], block)
 
 
+_CODEC = BlockCodec(
+    _PER_BYTE,
+    (_quantize_serial, _quantize_parallel),
+    (_dequantize_serial, _dequantize_parallel),
+    (_accumulate_serial, _accumulate_parallel),
+)
+
+
 def quantize_int4(x: np.ndarray, block: int = _checks.BLOCK_DEFAULT) -> tuple[np.ndarray, np.ndarray]:
     """Blockwise absmax int4: returns (codes uint8[n/2], scales float32[n/block]).
 
     `x` is float32[n] with n a multiple of `block`; NaN or Inf anywhere raises KernelInputError.
     """
-    block = _checks.block_size(block, 2)
-    _checks.vector("x", x, np.float32)
-    blocks = _checks.blocked_length("x", x.size, block)
-    codes = np.empty(x.size // 2, dtype=np.uint8)
-    scales = np.empty(blocks, dtype=np.float32)
-    if use_parallel(x.size):
-        bad = _quantize_parallel(x, x.view(np.uint32), codes, scales, block, slice_bounds(x.size, block))
-    else:
-        bad = _quantize_serial(x, x.view(np.uint32), codes, scales, block)
-    if bad:
-        # The outputs were fresh and are dropped here, so the caller sees nothing modified.
-        raise KernelInputError(f"x has NaN or Inf values in {bad} of its {blocks} blocks")
-    return codes, scales
+    return _CODEC.quantize(x, block)
 
 
 def dequantize_int4(
     codes: np.ndarray, scales: np.ndarray, block: int = _checks.BLOCK_DEFAULT, *, out: np.ndarray | None = None
 ) -> np.ndarray:
     """float32[n] = code * scale of each value; n = scales.size * block. Writes into `out` if given."""
-    block, n = _checks.coded(codes, scales, block, 2)
-    out = _checks.out_vector(out, np.float32, n)
-    _checks.disjoint(out=out, codes=codes, scales=scales)
-    if use_parallel(n):
-        _dequantize_parallel(codes, scales, out, block, slice_bounds(n, block))
-    else:
-        _dequantize_serial(codes, scales, out, block)
-    return out
+    return _CODEC.dequantize(codes, scales, block, out)
 
 
 def accumulate_int4(
     acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = _checks.BLOCK_DEFAULT
 ) -> None:
     """acc += weight * dequantize_int4(codes, scales) in place, without materialising the fp32 vector."""
-    _checks.vector("acc", acc, np.float32, writeable=True)
-    weight = _checks.finite_scalar("weight", weight)
-    block, n = _checks.coded(codes, scales, block, 2, acc.size)
-    _checks.disjoint(acc=acc, codes=codes, scales=scales)
-    if use_parallel(n):
-        _accumulate_parallel(acc, weight, codes, scales, block, slice_bounds(n, block))
-    else:
-        _accumulate_serial(acc, weight, codes, scales, block)
+    _CODEC.accumulate(acc, weight, codes, scales, block)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -45,9 +45,11 @@ class Connection:
     limits: QueueLimits
     learner: int | None = None
     control: deque = field(default_factory=deque)
-    bulk: deque = field(default_factory=deque)  # each item: [key, deque of frames of one message]
+    # each item: [key, source, frames, built]; source is a list of frames or an async builder of an
+    # iterable of them; frames (a deque) exists once the item has started to go out, and `built`
+    # keeps what the builder returned alive while it does (others may share it)
+    bulk: deque = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    sending_bulk: bool = False  # the head of `bulk` has started to go out
     in_send: bool = False  # a frame is being written right now
     bytes_out: int = 0
     frames_out: int = 0
@@ -59,18 +61,19 @@ class Connection:
         self.control.extend(frames)
         self.wake.set()
 
-    def send_bulk(self, frames: Sequence[bytes], key: object = None) -> None:
-        """Queue a bulk message; one not yet started with the same `key` (fragment) is replaced."""
+    def send_bulk(self, source: Sequence[bytes] | Callable[[], Awaitable[Sequence[bytes]]], key: object = None) -> None:
+        """Queue a bulk message: its frames, or an async builder called when the message's turn comes
+        (so an update is encoded from the newest version, once, when it is about to go out). One not
+        yet started with the same `key` (fragment) is replaced."""
         if key is not None:
-            for i, (queued_key, queued) in enumerate(self.bulk):
-                started = i == 0 and self.sending_bulk
-                if queued_key == key and not started:
-                    self.bulk[i] = [key, deque(frames)]
+            for item in self.bulk:
+                if item[0] == key and item[2] is None:
+                    item[1] = source
                     self.wake.set()
                     return
         if len(self.bulk) >= self.limits.bulk_messages_queued_max:
             raise SlowPeerError(f"{len(self.bulk)} bulk messages already queued")
-        self.bulk.append([key, deque(frames)])
+        self.bulk.append([key, source, None, None])
         self.wake.set()
 
     async def flush_control(self, timeout_s: float) -> None:
@@ -81,20 +84,26 @@ class Connection:
         while (self.control or self.in_send) and not self.closed and loop.time() < deadline:
             await asyncio.sleep(0.001)
 
+    async def _next_bulk_frame(self) -> bytes | None:
+        head = self.bulk[0]
+        if head[2] is None:
+            source = head[1]
+            head[3] = await source() if callable(source) else source
+            head[2] = deque(head[3])
+        frame = head[2].popleft() if head[2] else None
+        if not head[2]:
+            self.bulk.popleft()
+        return frame
+
     async def write_loop(self) -> None:
         """Send until closed; control frames first, then one bulk frame at a time."""
         while not self.closed:
             await self.wake.wait()
             self.wake.clear()
             while (self.control or self.bulk) and not self.closed:
-                if self.control:
-                    frame = self.control.popleft()
-                else:
-                    current = self.bulk[0][1]
-                    frame = current.popleft()
-                    self.sending_bulk = bool(current)
-                    if not current:
-                        self.bulk.popleft()
+                frame = self.control.popleft() if self.control else await self._next_bulk_frame()
+                if frame is None:
+                    continue
                 self.in_send = True
                 try:
                     await asyncio.wait_for(self.ws.send_bytes(frame), self.limits.send_stall_s_max)

@@ -16,10 +16,12 @@ is refused with 401 unless `Authorization: Bearer <token>` matches.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import signal
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +75,18 @@ class ServerConfig:
             raise ValueError("events_queued_max, heartbeat_s and checkpoints_kept must be positive")
 
 
+class FrameSet:
+    """The frames of one version of one fragment update, shared by every connection sending it."""
+
+    __slots__ = ("version", "frames", "__weakref__")
+
+    def __init__(self, version: int, frames: list):
+        self.version, self.frames = version, frames
+
+    def __iter__(self):
+        return iter(self.frames)
+
+
 class SyncerServer:
     """The daemon. `await start()`, then `port` is known; `await stop()` ends it cleanly."""
 
@@ -85,6 +99,7 @@ class SyncerServer:
         self._events: asyncio.Queue | None = None
         self._core = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self._conns: dict[int, Connection] = {}
+        self._frame_sets: weakref.WeakValueDictionary[int, FrameSet] = weakref.WeakValueDictionary()
         self._by_learner: dict[int, Connection] = {}
         self._conn_ids = itertools.count(1)
         self._message_ids = itertools.count(1)
@@ -182,11 +197,12 @@ class SyncerServer:
                     self._by_learner[effect.learner] = conn
                 self._queue(conn, session.frames_for(effect, next(self._message_ids), self.config.wire), bulk=False)
         elif isinstance(effect, SendUpdate):
-            frames = session.frames_for(effect, next(self._message_ids), self.config.wire)
+            # Encoded lazily, when a connection gets to it, from the newest version (see FrameSet).
+            build = functools.partial(self._update_frames_async, effect.fragment)
             for learner in effect.learners:
                 conn = self._by_learner.get(learner)
                 if conn is not None:
-                    self._queue(conn, frames, bulk=True, key=effect.fragment)
+                    self._queue(conn, build, bulk=True, key=effect.fragment)
         elif isinstance(effect, ArmTimer):
             delay = max(0.0, effect.at - self.clock())
             asyncio.get_running_loop().call_later(delay, self._fire, TimerFired(effect.fragment, effect.round))
@@ -204,6 +220,22 @@ class SyncerServer:
         elif isinstance(effect, Log):
             log.log(logging.WARNING if effect.level == "warning" else logging.INFO, effect.text)
 
+    async def _update_frames_async(self, fragment: int) -> "FrameSet":
+        return await asyncio.get_running_loop().run_in_executor(self._core, self._update_frames, fragment)
+
+    def _update_frames(self, fragment: int) -> "FrameSet":
+        """The frames of the current version of `fragment`. Runs on the core thread, between two
+        events, so the fragment is not being merged into meanwhile. Connections sending the same
+        version share one FrameSet; it is freed when the last of them has sent it."""
+        version = self.state.fragments[fragment].version
+        cached = self._frame_sets.get(fragment)
+        if cached is not None and cached.version == version:
+            return cached
+        effect = core.update_effect(self.state, fragment, ())
+        frames = FrameSet(version, session.frames_for(effect, next(self._message_ids), self.config.wire))
+        self._frame_sets[fragment] = frames
+        return frames
+
     def _fire(self, event: TimerFired) -> None:
         if not self._stopping.is_set():
             try:
@@ -217,7 +249,7 @@ class SyncerServer:
             return self._conns.get(effect.conn)
         return self._by_learner.get(effect.learner)
 
-    def _queue(self, conn: Connection, frames: list[bytes], *, bulk: bool, key: object = None) -> None:
+    def _queue(self, conn: Connection, frames, *, bulk: bool, key: object = None) -> None:
         try:
             if bulk:
                 conn.send_bulk(frames, key)

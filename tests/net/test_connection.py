@@ -65,7 +65,28 @@ def test_newer_update_of_a_fragment_replaces_the_queued_one():
     conn.send_bulk([b"f0v1"], key=0)
     conn.send_bulk([b"f1v1"], key=1)
     conn.send_bulk([b"f0v2"], key=0)  # replaces, does not count against the limit
-    assert [list(frames) for _, frames in conn.bulk] == [[b"f0v2"], [b"f1v1"]]
+    assert [item[1] for item in conn.bulk] == [[b"f0v2"], [b"f1v1"]]
+
+
+async def test_a_builder_runs_when_its_turn_comes():
+    ws = RecordingSocket()
+    conn = Connection(1, ws, QueueLimits())
+    calls = []
+
+    async def build():
+        calls.append(len(ws.sent))  # how much had gone out when the frames were made
+        return [b"u1", b"u2"]
+
+    conn.send_bulk([b"a"], key=0)
+    conn.send_bulk(build, key=1)
+    conn.send_bulk(build, key=1)  # replaces the first builder: built once
+    writer = asyncio.create_task(conn.write_loop())
+    while len(ws.sent) < 3:
+        await asyncio.sleep(0.001)
+    assert ws.sent == [b"a", b"u1", b"u2"] and calls == [1]
+    conn.closed = True
+    conn.wake.set()
+    await asyncio.wait_for(writer, 5)
 
 
 async def test_a_message_already_going_out_is_not_replaced():
