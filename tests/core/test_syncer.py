@@ -62,7 +62,6 @@ class Harness:
 
     def progress(self, learner, step, dt=0.0, tokens_per_step=100):
         versions = tuple(f.version for f in self.state.fragments)
-        rec = self.state.learners[learner]
         steps = tuple(step - self.steps.get((learner, p), 0) for p in range(len(versions)))
         return self.send(Progress(learner, step, versions, steps, tuple(s * tokens_per_step for s in steps)), dt)
 
@@ -120,16 +119,6 @@ def test_quorum_one_without_timing_merges_at_once_with_reason():
     assert h.state.ledger.totals["late"] == 100
 
 
-def drive_timing(h, step_s=0.1):
-    """Both learners step together so the global step time EMA is measured."""
-    for step in range(1, 5):
-        h.progress(1, step, dt=step_s)
-        h.progress(2, step)
-        for r in h.of(SendRequest)[-2:]:
-            pass
-    h.effects.clear()
-
-
 def open_round(h, step, step_s=0.1):
     eff = h.progress(1, step, dt=step_s) + h.progress(2, step)
     reqs = h.of(SendRequest, eff)
@@ -137,13 +126,18 @@ def open_round(h, step, step_s=0.1):
     return reqs[0].fragment, reqs[0].round
 
 
-def test_grace_window_waits_then_closes_early_when_all_delivered():
-    h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=1000.0, overlap=2))
-    two_live(h)
-    for step in range(1, 4):  # measure step time 0.1 s; rounds open and close on quorum with no timing yet
+def measure_timing(h, steps=3):
+    """Both learners step every 0.1 s and deliver every round, so the step-time EMA is measured."""
+    for step in range(1, steps + 1):
         fragment, rnd = open_round(h, step)
         h.push(1, fragment, rnd)
         h.push(2, fragment, rnd)
+
+
+def test_grace_window_waits_then_closes_early_when_all_delivered():
+    h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=1000.0, overlap=2))
+    two_live(h)
+    measure_timing(h)
     h.effects.clear()
     fragment, rnd = open_round(h, 4)
     eff = h.push(1, fragment, rnd, dt=0.02)
@@ -163,10 +157,7 @@ def test_grace_window_waits_then_closes_early_when_all_delivered():
 def test_grace_expiry_excludes_straggler_and_is_capped():
     h = Harness(quorum=1, grace=GraceConfig(gamma=0.9, grace_ms_max=30.0, overlap=2))
     two_live(h)
-    for step in range(1, 4):
-        fragment, rnd = open_round(h, step)
-        h.push(1, fragment, rnd)
-        h.push(2, fragment, rnd)
+    measure_timing(h)
     fragment, rnd = open_round(h, 4)
     (timer,) = h.of(ArmTimer, h.push(1, fragment, rnd, dt=0.01))
     assert timer.at - h.now == pytest.approx(0.030)  # 0.9 x slack is above the cap
@@ -180,10 +171,7 @@ def test_grace_expiry_excludes_straggler_and_is_capped():
 def test_sync_cost_shrinks_the_window():
     h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=10_000.0, overlap=2))
     two_live(h)
-    for step in range(1, 4):
-        fragment, rnd = open_round(h, step)
-        h.push(1, fragment, rnd)
-        h.push(2, fragment, rnd)
+    measure_timing(h)
     h.send(MergeCost(seconds=1.0))  # merging takes longer than the whole overlap
     fragment, rnd = open_round(h, 4)
     eff = h.push(1, fragment, rnd)
@@ -256,10 +244,7 @@ def test_duplicate_push_refused():
 def test_disconnect_lets_round_close_and_books_lost_tokens():
     h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=1000.0, overlap=2))
     two_live(h)
-    for step in range(1, 4):
-        fragment, rnd = open_round(h, step)
-        h.push(1, fragment, rnd)
-        h.push(2, fragment, rnd)
+    measure_timing(h)
     fragment, rnd = open_round(h, 4)
     assert h.of(ArmTimer, h.push(1, fragment, rnd))
     eff = h.send(Disconnect(2, "connection reset"), dt=0.001)
