@@ -21,7 +21,6 @@ import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import aiohttp
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from ddiloco.core import codec
 from ddiloco.core.layout import TensorSpec, build_layout
-from ddiloco.core.merge import Contribution, MergeMethod, merge
+from ddiloco.core.merge import Contribution, merge
 
 
 def one_fragment(sizes, embedding=()):

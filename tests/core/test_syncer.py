@@ -185,7 +185,8 @@ def test_quorum_two_waits_for_both_and_skips_when_superseded():
     assert not h.of(Merged, h.push(1, fragment, rnd))
     # the next round of the same fragment opens (period 2) before learner 2 delivers: skipped
     open_round(h, 2)
-    eff = h.progress(1, 3) + h.progress(2, 3)
+    h.progress(1, 3)
+    h.progress(2, 3)
     assert any(d.outcome == "skipped" and d.fragment == fragment for d in h.state.decisions)
     assert "skipped: quorum 1/2" in [d for d in h.state.decisions if d.outcome == "skipped"][0].reason
 
