@@ -99,6 +99,7 @@ class SyncerServer:
         self._events: asyncio.Queue | None = None
         self._core = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self._conns: dict[int, Connection] = {}
+        self._background: set[asyncio.Task] = set()
         self._frame_sets: weakref.WeakValueDictionary[int, FrameSet] = weakref.WeakValueDictionary()
         self._by_learner: dict[int, Connection] = {}
         self._conn_ids = itertools.count(1)
@@ -144,6 +145,9 @@ class SyncerServer:
             await conn.ws.close(code=1001, message=b"syncer shutting down")
         await self._events.put(None)
         await self._core_task
+        for task in list(self._background):  # the connections are closed already: nothing left to do
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if checkpoint and self.config.checkpoint_dir and self.state.holds_parameters:
             await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "shutdown")
         await self._runner.cleanup()
@@ -242,7 +246,18 @@ class SyncerServer:
                 self._events.put_nowait(event)
             except asyncio.QueueFull:
                 # Never lose a timer: hand it to a task that waits for room.
-                asyncio.ensure_future(self._events.put(event))
+                self._spawn(self._events.put(event))
+
+    def _spawn(self, coro) -> None:
+        """A small follow-up task, tracked until done (awaited at stop, its failure logged)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception())
 
     def _conn_for(self, effect) -> Connection | None:
         if getattr(effect, "conn", None) is not None:
@@ -258,7 +273,7 @@ class SyncerServer:
         except SlowPeerError as exc:
             self.metrics.dropped_slow += 1
             log.warning("dropping learner %s: it does not read (%s)", conn.learner, exc)
-            asyncio.ensure_future(self._close(conn, f"slow peer: {exc}"))
+            self._spawn(self._close(conn, f"slow peer: {exc}"))
 
     def _write_checkpoint(self, reason: str) -> None:
         """Runs on the core thread, between two events."""
