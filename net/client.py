@@ -73,6 +73,7 @@ class SyncerClient:
         self.refused: SyncerRefused | None = None
         self.connected = asyncio.Event()
         self.welcomed = asyncio.Event()
+        self.settled = threading.Event()  # welcomed at least once, or refused: for other threads
         self._progress: deque = deque(maxlen=config.progress_queued_max)
         self._control: deque = deque()
         self._bulk: deque = deque()
@@ -117,6 +118,7 @@ class SyncerClient:
             except SyncerRefused as exc:
                 self.refused = exc
                 self.welcomed.set()  # wake anyone waiting for a welcome that will never come
+                self.settled.set()
                 log.error("%s", exc)
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, wire.WireError) as exc:
@@ -177,6 +179,7 @@ class SyncerClient:
         if isinstance(item, session.WelcomeInfo):
             self.inbox.welcome = item
             self.welcomed.set()
+            self.settled.set()
         elif isinstance(item, session.RequestInfo):
             self.inbox.requests.append(item)
         elif isinstance(item, session.UpdateInfo):
@@ -240,29 +243,29 @@ class ThreadedClient:
 
     def wait_welcome(self, timeout_s: float) -> session.WelcomeInfo:
         """Block until the syncer has welcomed us (start-up only); raises on refusal or timeout."""
-        fut = asyncio.run_coroutine_threadsafe(self._client.welcomed.wait(), self._loop)
-        try:
-            fut.result(timeout_s)
-        except TimeoutError:
-            fut.cancel()
+        if not self._client.settled.wait(timeout_s):
             raise TimeoutError(
                 f"no welcome from the syncer within {timeout_s} s (last error: {self._client.last_error})"
-            ) from None
+            )
         if self._client.refused is not None:
             raise self._client.refused
         return self._client.inbox.welcome
 
     def progress(self, item: session.ProgressInfo) -> None:
+        self._check()
         self._loop.call_soon_threadsafe(self._client.queue_progress, item)
 
     def push(self, item: session.PushInfo) -> None:
+        self._check()
         self._loop.call_soon_threadsafe(self._client.queue_push, item)
 
     def init(self, fragment: int, payload: bytes) -> None:
+        self._check()
         self._loop.call_soon_threadsafe(self._client.queue_init, fragment, payload)
 
     def take(self) -> tuple[list, dict, list]:
         """(requests, updates by fragment, errors) that arrived since the last call."""
+        self._check()
         fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
         return fut.result()
 
@@ -273,6 +276,13 @@ class ThreadedClient:
         box.updates.clear()
         box.errors.clear()
         return requests, updates, errors
+
+    def _check(self) -> None:
+        """A refused client has no loop left to talk to: say why, every time it is used."""
+        if self._client.refused is not None:
+            raise self._client.refused
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the syncer client has stopped (last error: {self._client.last_error})")
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self._thread.is_alive():

@@ -1,0 +1,114 @@
+"""The per-step sync hook a JAX training loop calls: `params = sync.step(params, tokens=n)`.
+
+ALGORITHM.md, "Learner loop". Each call, between two inner steps and without waiting on the
+network: counts the step and its tokens for every fragment; applies fragment versions that have
+arrived (overwrite, or an alpha mix) and resets their counters; answers the syncer's requests with
+the compressed outer gradient base_p - theta_p; and reports progress. The network runs on the
+client's own thread; a syncer that is down only means no merges for a while.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ddiloco.core import codec
+from ddiloco.core.layout import layout_from_description
+from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
+from ddiloco.net import session
+from ddiloco.net.client import ClientConfig, ThreadedClient
+
+log = logging.getLogger("ddiloco.learner")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    url: str
+    name: str
+    token: str | None = None
+    codec: str = "int4"
+    alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
+    welcome_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        codec.parse_codec(self.codec)
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must lie in [0, 1), got {self.alpha}")
+
+
+class DilocoSync:
+    """One learner's side of Decoupled DiLoCo. Construct with the initial parameters (they become
+    global state only if the syncer holds none and asks for them), then call `step` every step."""
+
+    def __init__(self, params: Any, config: SyncConfig, is_embedding: Callable[[str], bool] = default_is_embedding):
+        self.config = config
+        self.client = ThreadedClient(
+            ClientConfig(url=config.url, name=config.name, tensors=tensor_specs(params, is_embedding), token=config.token)
+        )
+        try:
+            welcome = self.client.wait_welcome(config.welcome_timeout_s)
+        except BaseException:
+            self.client.close()
+            raise
+        self.learner_id = welcome.learner
+        self.layout = layout_from_description(welcome.layout)
+        self.tree = TreeFragments(params, self.layout, is_embedding)
+        p = self.layout.num_fragments
+        self.step_count = welcome.global_step  # a (re)joining learner continues the syncer's count
+        self.versions = [-1] * p
+        self.base: list[np.ndarray | None] = [None] * p  # the version of each fragment last received
+        self.steps = [0] * p
+        self.tokens = [0] * p
+        self.merged_versions_applied = 0
+        if welcome.needs_init:
+            for q in range(p):
+                values = self.tree.gather(params, q)
+                self.client.init(q, codec.encode(values, "fp32"))
+                self.base[q], self.versions[q] = values, 0
+            log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
+
+    def step(self, params: Any, tokens: int) -> Any:
+        """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be non-negative, got {tokens}")
+        self.step_count += 1
+        for q in range(len(self.steps)):
+            self.steps[q] += 1
+            self.tokens[q] += tokens
+        requests, updates, errors = self.client.take()
+        for err in errors:
+            log.warning("syncer: %s: %s", err.code, err.text)
+        for q, update in sorted(updates.items()):
+            params = self._apply(params, q, update)
+        for req in requests:
+            self._answer(params, req)
+        self.client.progress(
+            session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
+        )
+        return params
+
+    def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
+        if update.version <= self.versions[q]:
+            return params
+        values = update.encoded.decode()
+        params = self.tree.scatter(params, q, values, self.config.alpha)
+        self.base[q], self.versions[q] = values, update.version
+        self.steps[q], self.tokens[q] = 0, 0
+        self.merged_versions_applied += 1
+        return params
+
+    def _answer(self, params: Any, req: session.RequestInfo) -> None:
+        # A request computed against a version we no longer hold is answered by the next round.
+        if self.base[req.fragment] is None or req.base_version != self.versions[req.fragment]:
+            return
+        delta = self.base[req.fragment] - self.tree.gather(params, req.fragment)
+        payload = codec.encode(delta, self.config.codec, self.layout.block)
+        self.client.push(
+            session.PushInfo(req.fragment, req.round, req.base_version, self.steps[req.fragment], self.tokens[req.fragment], payload)
+        )
+
+    def close(self) -> None:
+        self.client.close()

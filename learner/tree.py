@@ -1,0 +1,109 @@
+"""A JAX parameter pytree <-> the syncer's flat float32 fragments.
+
+Works with any pytree (plain dicts and lists, flax, equinox): leaves are named by their key path
+("blocks/0/attn/w"), and the same names, shapes, dtypes and embedding flags give the syncer's layout,
+so both sides compute the same layout digest. Host copies are gathered per fragment (a leaf sharded
+over several devices is gathered to the host), and values that come back are put onto each leaf's
+original sharding and dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, tree_flatten_with_path, tree_unflatten
+
+from ddiloco.core.layout import Layout, LayoutError, TensorSpec
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def default_is_embedding(path: str) -> bool:
+    """Token embeddings and untied output heads are mean-merged (ALGORITHM.md, "Fragments")."""
+    parts = path.lower().split("/")
+    return any("embed" in part or part in ("wte", "lm_head") for part in parts)
+
+
+def leaf_path(keys: tuple) -> str:
+    names = []
+    for key in keys:
+        if isinstance(key, DictKey):
+            names.append(str(key.key))
+        elif isinstance(key, SequenceKey):
+            names.append(str(key.idx))
+        elif isinstance(key, GetAttrKey):
+            names.append(key.name)
+        elif isinstance(key, FlattenedIndexKey):
+            names.append(str(key.key))
+        else:
+            names.append(str(key))
+    return "/".join(names) or "root"
+
+
+def tensor_specs(params: Any, is_embedding: Callable[[str], bool] = default_is_embedding) -> tuple[TensorSpec, ...]:
+    """The layout input for `params`: one TensorSpec per leaf."""
+    specs = []
+    for keys, leaf in tree_flatten_with_path(params)[0]:
+        path = leaf_path(keys)
+        dtype = str(leaf.dtype)
+        if dtype not in _DTYPES:
+            raise LayoutError(f"leaf {path!r} has dtype {dtype}; only float32, bfloat16 and float16 parameters sync")
+        specs.append(TensorSpec(path, tuple(leaf.shape), dtype, is_embedding(path)))
+    return tuple(specs)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    leaf: int  # index among the flattened leaves
+    fragment: int
+    offset: int
+    size: int
+
+
+class TreeFragments:
+    """The mapping between one pytree structure and a layout; checked once, used every step."""
+
+    def __init__(self, params: Any, layout: Layout, is_embedding: Callable[[str], bool] = default_is_embedding):
+        leaves_with_paths, self.treedef = tree_flatten_with_path(params)
+        self.layout = layout
+        paths = [leaf_path(k) for k, _ in leaves_with_paths]
+        mine = {s.path: s for s in tensor_specs(params, is_embedding)}
+        theirs = {t.path: t for t in layout.tensors}
+        if mine != theirs:
+            missing = sorted(set(theirs) - set(mine))[:3]
+            extra = sorted(set(mine) - set(theirs))[:3]
+            changed = sorted(p for p in set(mine) & set(theirs) if mine[p] != theirs[p])[:3]
+            raise LayoutError(
+                f"the parameters do not match the syncer's layout: missing {missing}, unexpected {extra}, "
+                f"different shape/dtype/embedding {changed}"
+            )
+        index = {p: i for i, p in enumerate(paths)}
+        self.slots: list[list[_Slot]] = []
+        for frag in layout.fragments:
+            self.slots.append([_Slot(index[s.tensor.path], frag.index, s.offset, s.tensor.size) for s in frag.segments])
+
+    def gather(self, params: Any, p: int) -> np.ndarray:
+        """float32[padded] host copy of fragment p of `params`."""
+        leaves = self.treedef.flatten_up_to(params)
+        out = np.zeros(self.layout.fragments[p].padded_size, dtype=np.float32)
+        for slot in self.slots[p]:
+            host = np.asarray(jax.device_get(leaves[slot.leaf]), dtype=np.float32)
+            out[slot.offset : slot.offset + slot.size] = host.reshape(-1)
+        return out
+
+    def scatter(self, params: Any, p: int, values: np.ndarray, alpha: float = 0.0) -> Any:
+        """`params` with fragment p replaced by `values` (float32[padded]), or mixed as
+        alpha * theta + (1 - alpha) * values; each leaf keeps its dtype and sharding."""
+        leaves = list(self.treedef.flatten_up_to(params))
+        for slot in self.slots[p]:
+            old = leaves[slot.leaf]
+            new = values[slot.offset : slot.offset + slot.size].reshape(old.shape)
+            if alpha:
+                new = alpha * np.asarray(jax.device_get(old), dtype=np.float32) + (1.0 - alpha) * new
+            sharding = getattr(old, "sharding", None)
+            array = np.asarray(new, dtype=old.dtype)
+            leaves[slot.leaf] = jax.device_put(array, sharding) if sharding is not None else array
+        return tree_unflatten(self.treedef, leaves)

@@ -1,0 +1,126 @@
+"""The learner hook with a real syncer on 127.0.0.1: JAX pytrees in, fragments over real sockets."""
+
+import asyncio
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddiloco.core import syncer
+from ddiloco.core.config import SyncerConfig
+from ddiloco.core.layout import LayoutError, build_layout
+from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.learner.tree import TreeFragments, tensor_specs
+from ddiloco.net.server import ServerConfig, SyncerServer
+
+TOKEN = "learner-test-token-0123456789"
+
+
+def model(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": jnp.asarray(rng.standard_normal((16, 4)), dtype=jnp.float32),
+        "blocks": [{"w": jnp.asarray(rng.standard_normal((4, 4)), dtype=jnp.float32)} for _ in range(2)],
+        "head": jnp.asarray(rng.standard_normal((4, 8)), dtype=jnp.bfloat16),
+    }
+
+
+def test_tree_round_trip_and_layout_check():
+    params = model(0)
+    specs = tensor_specs(params)
+    assert {s.path for s in specs} == {"embed", "blocks/0/w", "blocks/1/w", "head"}
+    assert [s.embedding for s in specs if s.path == "embed"] == [True]
+    layout = build_layout(specs, 3)
+    tree = TreeFragments(params, layout)
+    rebuilt = params
+    for p in range(3):
+        values = tree.gather(params, p)
+        assert values.shape == (layout.fragments[p].padded_size,)
+        rebuilt = tree.scatter(rebuilt, p, values)
+    for a, b in zip(np.asarray(rebuilt["blocks"][1]["w"]), np.asarray(params["blocks"][1]["w"])):
+        np.testing.assert_array_equal(a, b)
+    assert rebuilt["head"].dtype == jnp.bfloat16
+    other = dict(params, head=jnp.zeros((4, 9), dtype=jnp.bfloat16))
+    with pytest.raises(LayoutError, match="different shape"):
+        TreeFragments(other, layout)
+
+
+class ThreadedSyncer:
+    """The real daemon on its own loop in a thread, as it runs beside a training process."""
+
+    def __init__(self, **cfg):
+        self.loop = asyncio.new_event_loop()
+        state = syncer.new_state(SyncerConfig(**cfg))
+        self.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN))
+        ready = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        assert ready.wait(30)
+        self.url = f"ws://127.0.0.1:{self.server.port}/ws"
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(checkpoint=False), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def inner_step(params, target, lr=0.2):
+    """A stand-in for an AdamW step: pull every leaf towards this learner's own target."""
+    return {
+        "embed": params["embed"] - lr * (params["embed"] - target["embed"]),
+        "blocks": [{"w": b["w"] - lr * (b["w"] - t["w"])} for b, t in zip(params["blocks"], target["blocks"])],
+        "head": (params["head"] - lr * (params["head"] - target["head"])).astype(jnp.bfloat16),
+    }
+
+
+def train(learners, steps, pause_s=0.01):
+    for _ in range(steps):
+        for lr in learners:
+            lr["params"] = lr["sync"].step(inner_step(lr["params"], lr["target"]), tokens=128)
+        time.sleep(pause_s)
+
+
+def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer():
+    s = ThreadedSyncer(num_fragments=2, period=2, quorum=1)
+    try:
+        a = {"params": model(1), "target": model(10)}
+        a["sync"] = DilocoSync(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
+        b = {"params": model(2), "target": model(20)}
+        b["sync"] = DilocoSync(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
+        train([a, b], 40)
+        state = s.server.state
+        assert state.merges >= 5, state.merges
+        assert state.init_source == "learner 1"  # b's own random weights never became global state
+        assert a["sync"].merged_versions_applied > 0 and b["sync"].merged_versions_applied > 0
+        b["sync"].close()  # b dies
+        c = {"params": model(3), "target": model(30)}
+        c["sync"] = DilocoSync(c["params"], SyncConfig(url=s.url, name="c", token=TOKEN))
+        merges = state.merges
+        train([a, c], 40)
+        assert state.merges > merges
+        rec = state.learners[c["sync"].learner_id]
+        assert rec.status is syncer.LearnerStatus.LIVE and rec.caught_up_at is not None
+        assert all(v >= 1 for v in c["sync"].versions)  # it holds merged versions, not its init
+        a["sync"].close()
+        c["sync"].close()
+        state.ledger.check()
+    finally:
+        s.stop()
+
+
+def test_wrong_token_is_a_clear_error():
+    s = ThreadedSyncer()
+    try:
+        with pytest.raises(Exception, match="refused the token"):
+            DilocoSync(model(0), SyncConfig(url=s.url, name="x", token="wrong-token-0123456789"))
+    finally:
+        s.stop()
