@@ -1,40 +1,16 @@
 """`ddiloco syncer` as a user runs it: a real process, its log, its HTTP endpoints, SIGTERM."""
 
 import json
-import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 
-def start(tmp_path, *extra):
-    token = tmp_path / "token"
-    token.write_text("cli-test-token-0123456789\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(token),
-         "--checkpoint-dir", str(tmp_path / "ck"), *extra],
-        stderr=subprocess.PIPE, text=True,
-    )
-    lines = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-        if m:
-            return proc, int(m.group(1)), lines
-    proc.kill()
-    raise AssertionError("syncer did not start:\n" + "".join(lines))
-
-
-def test_syncer_process_serves_and_stops_on_sigterm(tmp_path):
-    proc, port, lines = start(tmp_path, "--quorum", "2", "--fragments", "3")
+def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
+    proc, port, lines = start_syncer(tmp_path, "--quorum", "2", "--fragments", "3")
     try:
         first = json.loads(lines[0].split("config ", 1)[1])  # the resolved config is the first log line
         assert first["quorum"] == 2 and first["num_fragments"] == 3

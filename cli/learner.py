@@ -1,0 +1,60 @@
+"""`ddiloco learner`: run one learner of the reference model against a syncer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--syncer", required=True, help="the syncer's websocket URL, e.g. ws://127.0.0.1:8470/ws")
+    p.add_argument("--token-file", type=Path, help="file holding the shared bearer token")
+    p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--shard", default="0/1", help="I/N: this learner's share of the training data")
+    p.add_argument("--name", help="learner name in the syncer's status (default: learner-I)")
+    p.add_argument("--steps", type=int, default=200, help="global step budget (default 200)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
+    p.add_argument("--speed", type=float, default=1.0, help="< 1 makes this learner slower")
+    p.add_argument("--log-file", type=Path, help="append JSON lines of progress here")
+    p.add_argument("--cache-dir", type=Path, help="JAX persistent compilation cache")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddiloco.cli import require_learner_extra
+
+    require_learner_extra()
+    from ddiloco.learner import data, model
+    from ddiloco.learner.run import LearnerConfig, run_learner
+    from ddiloco.net.auth import read_token_file
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    shard = data.Shard.parse(args.shard)
+    cfg = LearnerConfig(
+        syncer=args.syncer,
+        name=args.name or f"learner-{shard.index}",
+        shard=shard,
+        token=read_token_file(args.token_file) if args.token_file else None,
+        model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
+        train=model.TrainConfig(total_steps=max(args.steps, 21)),
+        batch=args.batch,
+        seed=args.seed,
+        codec=args.codec,
+        steps_total=args.steps,
+        speed=args.speed,
+        log_file=args.log_file,
+        cache_dir=args.cache_dir,
+    )
+    from ddiloco.net.client import SyncerRefused
+
+    try:
+        summary = run_learner(cfg)
+    except (SyncerRefused, TimeoutError) as exc:  # wrong URL or token, a layout or protocol refused
+        print(f"ddiloco learner: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,82 @@
+"""One learner process: the reference model on its own data shard, synchronised with the syncer.
+
+Readable top to bottom, in the spirit of a small `train.py`: build the model, connect, then loop
+(inner AdamW step, sync hook) until the global step budget is spent. A learner that is killed and
+started again rejoins by itself: it takes the syncer's current fragments and step count from the
+welcome, and a fresh optimizer state (weight 0 until it holds every fragment).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ddiloco.learner import data
+from ddiloco.learner import model as reference
+from ddiloco.learner.sync import DilocoSync, SyncConfig
+
+log = logging.getLogger("ddiloco.learner")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    syncer: str  # ws://host:port/ws
+    name: str
+    shard: data.Shard
+    token: str | None = None
+    model: reference.ModelConfig = field(default_factory=reference.ModelConfig)
+    train: reference.TrainConfig = field(default_factory=reference.TrainConfig)
+    batch: int = 16
+    seed: int = 0
+    codec: str = "int4"
+    steps_total: int = 200  # stop once the step count (continued from the syncer's) reaches this
+    speed: float = 1.0  # < 1 makes this learner slower (sleeps after each step)
+    log_file: Path | None = None  # JSON lines: step, loss, versions, tokens
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.speed <= 1:
+            raise ValueError(f"speed must lie in (0, 1], got {self.speed}")
+        if self.batch < 1 or self.steps_total < 1:
+            raise ValueError("batch and steps_total must be positive")
+
+
+def run_learner(cfg: LearnerConfig) -> dict:
+    """Train until the step budget is spent; returns a small summary."""
+    reference.enable_compilation_cache(cfg.cache_dir)
+    params = reference.init_params(cfg.model, jax.random.PRNGKey(cfg.seed))
+    tx = reference.make_optimizer(cfg.train)
+    opt_state = tx.init(params)
+    train_step = reference.make_train_step(cfg.model, tx)
+    stream = data.batches(cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed))
+    sync = DilocoSync(params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec))
+    tokens_per_step = cfg.batch * cfg.model.seq
+    log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file else None
+    started, steps, ce = time.monotonic(), 0, float("nan")
+    try:
+        while sync.step_count < cfg.steps_total:
+            t0 = time.perf_counter()
+            x, y = next(stream)
+            params, opt_state, ce_array = train_step(params, opt_state, x, y)
+            params = sync.step(params, tokens=tokens_per_step)
+            steps += 1
+            if cfg.speed < 1:  # a slower chip: the step takes 1/speed as long
+                time.sleep((time.perf_counter() - t0) * (1 / cfg.speed - 1))
+            if log_fh and steps % 5 == 0:
+                ce = float(ce_array)
+                log_fh.write(json.dumps({
+                    "t": round(time.monotonic() - started, 3), "learner": sync.learner_id, "step": sync.step_count,
+                    "loss": ce, "versions": sync.versions, "applied": sync.merged_versions_applied,
+                }) + "\n")
+    finally:
+        sync.close()
+        if log_fh:
+            log_fh.close()
+    return {"learner": sync.learner_id, "steps": steps, "last_step": sync.step_count, "loss": ce,
+            "applied": sync.merged_versions_applied, "config": asdict(cfg)["name"]}

@@ -1,0 +1,56 @@
+"""`ddiloco learner` processes against a `ddiloco syncer` process, as a user runs them."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+
+def learner(port, tmp_path, shard, steps=100, token=True):
+    args = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--shard", shard,
+            "--steps", str(steps), "--batch", "4", "--speed", "0.25", "--cache-dir", str(tmp_path / "jax"), "--seed", shard[0]]
+    if token:
+        args += ["--token-file", str(tmp_path / "token")]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def drain(proc, sink):
+    """Read a child's stderr so it never blocks on a full pipe."""
+    threading.Thread(target=lambda: sink.extend(proc.stderr), daemon=True).start()
+
+
+def test_two_learner_processes_train_through_the_syncer(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "4", "--period", "4")
+    drain(syncer, log)
+    try:
+        learners = [learner(port, tmp_path, f"{i}/2") for i in range(2)]
+        outs = [p.communicate(timeout=300) for p in learners]
+        for p, (out, err) in zip(learners, outs):
+            assert p.returncode == 0, err[-2000:]
+            summary = json.loads(out.strip().splitlines()[-1])
+            assert summary["last_step"] >= 100 and summary["applied"] > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["merges"] > 0 and status["init_source"].startswith("learner ")
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(60) == 0
+    assert any("checkpoint" in line for line in log)
+
+
+def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path)
+    drain(syncer, log)
+    try:
+        (tmp_path / "bad").write_text("not-the-right-token-0123\n")
+        bad = subprocess.run(
+            [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--token-file",
+             str(tmp_path / "bad"), "--steps", "5", "--cache-dir", str(tmp_path / "jax")],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert bad.returncode == 1 and "refused the token" in bad.stderr
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        syncer.wait(60)
