@@ -18,6 +18,7 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("ddiloco.cli.syncer", "run the syncer daemon"),
     "status": ("ddiloco.cli.status", "print a syncer's status JSON"),
+    "demo": ("ddiloco.cli.demo", "the chaos demo: a syncer and learners surviving kills (needs the learner extra)"),
     "learner": ("ddiloco.cli.learner", "run one learner of the reference model (needs the learner extra)"),
     "bench": ("ddiloco.cli.bench", "run a benchmark and print its table"),
     "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),
