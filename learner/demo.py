@@ -22,7 +22,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ddiloco.core.checkpoint import restore
 from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.tree import TreeFragments
@@ -37,6 +36,9 @@ class DemoConfig:
     steps: int = 300  # global steps; every learner trains until the syncer's step count reaches it
     batch: int = 8
     fragments: int = 4
+    period: int = 24  # H: steps between two syncs of one fragment (overlap costs tau/H of the progress)
+    overlap: int = 8  # tau: on 2 shared CPU cores a step (~40 ms) is short next to a round trip (~170 ms)
+    quorum: int = 1
     chaos: bool = True
     kills: int = 3
     pauses: int = 2
@@ -62,6 +64,7 @@ class _Learner:
     killed_at: float | None = None
     paused_until: float | None = None
     done: bool = False
+    stopping: bool = False  # asked to stop (SIGTERM) because the step budget is spent
     finished_at: float | None = None
 
 
@@ -108,6 +111,16 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
             for lr in learners:
                 _reap(lr, now, cfg, port, work, token_file, events)
             status = _get(f"{base}/status")
+            if status and status["global_step"] >= cfg.steps:
+                # The budget is spent: the syncer opens no more rounds, so learners still behind
+                # would train for nothing. They finish their step and leave.
+                for lr in learners:
+                    if not lr.done and not lr.stopping and lr.proc.poll() is None and lr.killed_at is None:
+                        if lr.paused_until is not None:
+                            lr.proc.send_signal(signal.SIGCONT)
+                            lr.paused_until = None
+                        lr.proc.send_signal(signal.SIGTERM)
+                        lr.stopping = True
             if status and status["merges"] > last_merges:
                 merge_times.append(now)
                 last_merges = status["merges"]
@@ -129,7 +142,7 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
     # learner finished; a gap between merges longer than two fragment periods is downtime.
     span = [merge_times[0]] + merge_times + [trained_until] if merge_times else [0.0, wall]
     gaps = np.diff(span)
-    period_s = (span[-1] - span[0]) / max(1, cfg.steps) * cfg.fragments
+    period_s = (span[-1] - span[0]) / max(1, cfg.steps) * cfg.period
     downtime = float(np.sum(np.clip(gaps - 2 * period_s, 0, None)))
     kills = sum(1 for e in events if e["what"] == "kill")
     report = DemoReport(
@@ -148,7 +161,8 @@ def _start_syncer(cfg: DemoConfig, work: Path, token_file: Path) -> tuple[subpro
     log = open(work / "syncer.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(token_file),
-         "--checkpoint-dir", str(work / "ckpt"), "--fragments", str(cfg.fragments), "--period", str(cfg.fragments),
+         "--checkpoint-dir", str(work / "ckpt"), "--fragments", str(cfg.fragments), "--period", str(cfg.period),
+         "--overlap", str(cfg.overlap), "--quorum", str(cfg.quorum),
          "--checkpoint-every-merges", "50"],
         stderr=subprocess.STDOUT, stdout=log,
     )
@@ -214,8 +228,9 @@ def _reap(lr, now, cfg, port, work, token_file, events) -> None:
         lr.killed_at = None
         _spawn_learner(lr, cfg, port, work, token_file)
         events.append({"t": round(now, 2), "what": "restart", "learner": lr.index})
-    elif lr.killed_at is None and lr.proc.poll() is not None:
-        if lr.proc.returncode != 0:
+    elif lr.killed_at is None and lr.proc.poll() is not None and not lr.done:
+        # -SIGTERM: we asked it to stop and it was between steps or already closing; that is a finish
+        if lr.proc.returncode != 0 and not (lr.stopping and lr.proc.returncode == -signal.SIGTERM):
             raise RuntimeError(f"learner {lr.index} failed (exit {lr.proc.returncode}); see learner{lr.index}.log")
         lr.done = True
         lr.finished_at = now

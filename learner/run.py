@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +49,14 @@ class LearnerConfig:
             raise ValueError("batch and steps_total must be positive")
 
 
+def _stop_on_sigterm() -> list:
+    """A flag (a non-empty list once set) that SIGTERM sets: finish the step, say bye, exit 0."""
+    flag: list = []
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: flag.append(True))
+    return flag
+
+
 def run_learner(cfg: LearnerConfig) -> dict:
     """Train until the step budget is spent; returns a small summary."""
     reference.enable_compilation_cache(cfg.cache_dir)
@@ -59,8 +69,9 @@ def run_learner(cfg: LearnerConfig) -> dict:
     tokens_per_step = cfg.batch * cfg.model.seq
     log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file else None
     started, steps, ce = time.monotonic(), 0, float("nan")
+    stop = _stop_on_sigterm()
     try:
-        while sync.step_count < cfg.steps_total:
+        while sync.step_count < cfg.steps_total and not stop:
             t0 = time.perf_counter()
             x, y = next(stream)
             params, opt_state, ce_array = train_step(params, opt_state, x, y)

@@ -81,10 +81,12 @@ class DilocoSync:
         requests, updates, errors = self.client.take()
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
-        for q, update in sorted(updates.items()):
-            params = self._apply(params, q, update)
+        # Requests first: a request for base v that arrives together with version v+1 is still
+        # answered (the syncer books it as late rather than the tokens being silently overwritten).
         for req in requests:
             self._answer(params, req)
+        for q, update in sorted(updates.items()):
+            params = self._apply(params, q, update)
         self.client.progress(
             session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
         )
