@@ -243,7 +243,10 @@ def _print_live(status: dict, learners, now: float, out) -> None:
     cells = []
     for lr in learners:
         r = rows.get(f"learner-{lr.index}")
-        state = "done" if lr.done else "killed" if lr.killed_at is not None else "paused" if lr.paused_until else (r["status"] if r else "joining")
+        state = (
+            "done" if lr.done else "stopping" if lr.stopping else "killed" if lr.killed_at is not None
+            else "paused" if lr.paused_until else (r["status"] if r else "joining")
+        )
         cells.append(f"L{lr.index}:{state}@{r['step'] if r else '-'}")
     versions = ",".join(str(f["version"]) for f in status.get("fragments", []))
     last = status["decisions"][-1]["reason"][:60] if status.get("decisions") else ""
