@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         learners=args.learners, steps=steps, chaos=not args.no_chaos, kills=(1 if args.quick else args.kills),
         pauses=1 if args.quick else 2, speeds=speeds, baseline=args.baseline == "dp", seed=args.seed, model=args.model,
         restart_delay_s=1.0 if args.quick else 3.0, pause_s=1.0 if args.quick else 3.0,
+        # a short run needs more frequent syncs to show merging at all
+        period=8 if args.quick else 24, overlap=4 if args.quick else 8,
     )
     print(f"demo: {cfg}", file=sys.stderr)
     report = run_demo(cfg, args.workdir)

@@ -63,12 +63,32 @@ class DilocoSync:
         self.steps = [0] * p
         self.tokens = [0] * p
         self.merged_versions_applied = 0
+        self.welcomes_seen = 1
         if welcome.needs_init:
-            for q in range(p):
-                values = self.tree.gather(params, q)
-                self.client.init(q, codec.encode(values, "fp32"))
-                self.base[q], self.versions[q] = values, 0
-            log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
+            self._send_init(params)
+
+    def _send_init(self, params: Any) -> None:
+        """The syncer holds no parameters and asked this learner for them (only then do a learner's
+        own weights become global state)."""
+        for q in range(self.layout.num_fragments):
+            values = self.tree.gather(params, q)
+            self.client.init(q, codec.encode(values, "fp32"))
+            self.base[q], self.versions[q] = values, 0
+        log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
+
+    def _rejoin(self, params: Any, welcome: session.WelcomeInfo) -> None:
+        """A new welcome: the client reconnected (a new learner id; the syncer resends every
+        fragment and the learner has weight 0 until it holds them), or the learner asked for the
+        initial parameters died and this one is asked instead."""
+        self.learner_id = welcome.learner
+        self.versions = [-1] * self.layout.num_fragments
+        self.base = [None] * self.layout.num_fragments
+        self.steps = [0] * self.layout.num_fragments
+        self.tokens = [0] * self.layout.num_fragments
+        if welcome.needs_init:
+            self._send_init(params)
+        else:
+            log.info("rejoined the syncer as learner %d", self.learner_id)
 
     def step(self, params: Any, tokens: int) -> Any:
         """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied."""
@@ -78,7 +98,11 @@ class DilocoSync:
         for q in range(len(self.steps)):
             self.steps[q] += 1
             self.tokens[q] += tokens
-        requests, updates, errors = self.client.take()
+        requests, updates, errors, (welcomes, welcome) = self.client.take()
+        if welcomes != self.welcomes_seen:
+            self.welcomes_seen = welcomes
+            self._rejoin(params, welcome)
+            requests = []  # asked of the old session
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
         # Requests first: a request for base v that arrives together with version v+1 is still

@@ -64,6 +64,7 @@ class Inbox:
     updates: dict[int, session.UpdateInfo] = field(default_factory=dict)  # fragment -> newest
     errors: deque = field(default_factory=lambda: deque(maxlen=64))
     connects: int = 0
+    welcomes: int = 0  # how many welcomes so far: a new one means a rejoin or a request for init
 
 
 class SyncerClient:
@@ -178,6 +179,7 @@ class SyncerClient:
     def _deliver(self, item: object) -> None:
         if isinstance(item, session.WelcomeInfo):
             self.inbox.welcome = item
+            self.inbox.welcomes += 1
             self.welcomed.set()
             self.settled.set()
         elif isinstance(item, session.RequestInfo):
@@ -263,19 +265,20 @@ class ThreadedClient:
         self._check()
         self._loop.call_soon_threadsafe(self._client.queue_init, fragment, payload)
 
-    def take(self) -> tuple[list, dict, list]:
-        """(requests, updates by fragment, errors) that arrived since the last call."""
+    def take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
+        """(requests, updates by fragment, errors) that arrived since the last call, and
+        (number of welcomes so far, the latest welcome)."""
         self._check()
         fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
         return fut.result()
 
-    async def _take(self) -> tuple[list, dict, list]:
+    async def _take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
         box = self._client.inbox
         requests, updates, errors = list(box.requests), dict(box.updates), list(box.errors)
         box.requests.clear()
         box.updates.clear()
         box.errors.clear()
-        return requests, updates, errors
+        return requests, updates, errors, (box.welcomes, box.welcome)
 
     def _check(self) -> None:
         """A refused client has no loop left to talk to: say why, every time it is used."""

@@ -398,6 +398,8 @@ class SyncerServer:
             raise web.HTTPUnauthorized(text="this endpoint changes state: bearer token required\n")
         if not self.config.checkpoint_dir:
             raise web.HTTPConflict(text="no checkpoint directory configured\n")
+        if not self.state.holds_parameters:
+            raise web.HTTPConflict(text="the syncer holds no parameters yet: nothing to checkpoint\n")
         await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "requested over HTTP")
         return web.Response(text="checkpoint written\n")
 

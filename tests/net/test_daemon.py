@@ -372,7 +372,8 @@ async def test_threaded_client_for_synchronous_training_loops(tmp_path):
         await until(lambda: s.server.state.holds_parameters, what="init through the thread")
         tc.progress(session.ProgressInfo(1, (0, 0), (1, 1), (10, 10)))
         await until(lambda: s.server.state.global_step == 1, what="progress through the thread")
-        requests, updates, errors = await loop.run_in_executor(None, tc.take)
+        requests, updates, errors, (welcomes, _) = await loop.run_in_executor(None, tc.take)
+        assert welcomes == 1
         assert [r.fragment for r in requests] == [1] and not errors
     finally:
         await loop.run_in_executor(None, tc.close)
