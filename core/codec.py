@@ -52,6 +52,11 @@ class Codec(str, enum.Enum):
         return _IDENTS[self]
 
     @property
+    def dense_bytes(self) -> int | None:
+        """Bytes per element of an uncompressed codec; None for the blockwise quantized ones."""
+        return {Codec.FP32: 4, Codec.BF16: 2}.get(self)
+
+    @property
     def is_block(self) -> bool:
         return self in _CODES_PER_BYTE
 

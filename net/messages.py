@@ -33,6 +33,8 @@ from typing import ClassVar
 
 import orjson
 
+from ddiloco.core.codec import Codec
+
 INT_MAX = 2**63 - 1  # the largest integer any field may hold; fits every JSON decoder's int64
 DIGEST_RE = re.compile(r"[0-9a-f]{8,128}")  # a layout digest: lowercase hex, 4 to 64 bytes
 SHOWN_CHARS_MAX = 60  # how much of a bad value an error text quotes
@@ -73,20 +75,8 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 16  # the syncer is stopping; reconnect later
 
 
-class CodecName(enum.StrEnum):
-    """The codec that produced a bulk payload (ALGORITHM.md, "Compression")."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    INT4 = "int4"
-    INT2 = "int2"
-    INT1 = "int1"
-
-    @property
-    def dense_bytes(self) -> int | None:
-        """Bytes per element of an uncompressed codec; None for the blockwise quantized ones,
-        whose payload layout belongs to the codec and is checked there."""
-        return {CodecName.FP32: 4, CodecName.BF16: 2}.get(self)
+# The wire names codecs exactly as the codecs themselves do: one enum for both.
+CodecName = Codec
 
 
 UPDATE_CODECS = frozenset({CodecName.FP32, CodecName.BF16})  # what a broadcast may use
