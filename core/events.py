@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-import numpy as np
-
 from ddiloco.core.codec import Encoded
 from ddiloco.core.layout import TensorSpec
 
@@ -100,17 +98,13 @@ class SendRequest:
 
 @dataclass(frozen=True)
 class SendUpdate:
-    """A new version of a fragment for some learners.
-
-    `values` is float32 (fp32 broadcast: a read-only view of the syncer's own fragment, no copy) or
-    uint16 (bf16). It is valid only until the next `handle` call, which may merge into the fragment
-    in place: the shell copies it into frames before it calls `handle` again."""
+    """Send fragment `fragment` to some learners. The shell takes the values with
+    `syncer.update_values` when it actually sends (between two `handle` calls), so a learner that
+    is behind gets the newest version, encoded once however many learners wait for it."""
 
     learners: tuple[int, ...]
     fragment: int
-    version: int
-    codec: str  # "fp32" | "bf16"
-    values: np.ndarray = field(repr=False)
+    version: int  # the version at the time of the effect (a newer one may be sent)
 
 
 @dataclass(frozen=True)

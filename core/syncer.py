@@ -470,13 +470,20 @@ def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, re
 
 def update_effect(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUpdate:
     """The effect that sends the current version of fragment p to `learners`."""
+    return SendUpdate(learners, p, state.fragments[p].version)
+
+
+def update_values(state: SyncerState, p: int) -> tuple[str, int, np.ndarray]:
+    """(codec, version, values) of fragment p as broadcast: fp32 is a read-only view of the
+    syncer's own fragment (no copy), bf16 a converted copy. Valid only until the next `handle`
+    call, which may merge into the fragment in place: copy it into frames before then."""
     frag = state.fragments[p]
     if state.config.broadcast_codec is codecs.Codec.BF16:
         values = kernels.to_bf16(frag.theta)
     else:
         values = frag.theta.view()
         values.flags.writeable = False
-    return SendUpdate(learners, p, frag.version, state.config.broadcast_codec.value, values)
+    return state.config.broadcast_codec.value, frag.version, values
 
 
 def _full_update(state: SyncerState, learners: tuple[int, ...]) -> list[Effect]:

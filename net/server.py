@@ -235,8 +235,8 @@ class SyncerServer:
         cached = self._frame_sets.get(fragment)
         if cached is not None and cached.version == version:
             return cached
-        effect = core.update_effect(self.state, fragment, ())
-        frames = FrameSet(version, session.frames_for(effect, next(self._message_ids), self.config.wire))
+        codec, version, values = core.update_values(self.state, fragment)
+        frames = FrameSet(version, session.update_frames(fragment, version, codec, values, next(self._message_ids), self.config.wire))
         self._frame_sets[fragment] = frames
         return frames
 

@@ -205,15 +205,16 @@ def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits) -> l
         )
     elif isinstance(effect, ev.SendRequest):
         m = msg.Request(fragment=effect.fragment, round=effect.round, base_version=effect.base_version)
-    elif isinstance(effect, ev.SendUpdate):
-        m = msg.Update(
-            fragment=effect.fragment, version=effect.version, codec=effect.codec, element_count=effect.values.size,
-            clock={}, payload=effect.values,
-        )
     elif isinstance(effect, ev.SendError):
         m = msg.Error(code=_WIRE_CODE[effect.code], text=effect.text, fatal=effect.fatal)
     else:
         raise AssertionError(f"{type(effect).__name__} sends nothing")
+    return wire.encode(m, message_id=message_id, limits=limits)
+
+
+def update_frames(fragment: int, version: int, codec: str, values, message_id: int, limits: wire.WireLimits) -> list:
+    """The frames of one fragment update (values: float32 or bf16 bits, copied into the frames)."""
+    m = msg.Update(fragment=fragment, version=version, codec=codec, element_count=values.size, clock={}, payload=values)
     return wire.encode(m, message_id=message_id, limits=limits)
 
 
