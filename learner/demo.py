@@ -305,15 +305,13 @@ def _train_baseline(cfg: DemoConfig) -> float:
 
 def _goodput(events: list[dict], cfg: DemoConfig, wall: float) -> float:
     """Share of learner-time not lost to kills (down until restarted) or pauses."""
-    lost = 0.0
-    open_at: dict[tuple[str, int], float] = {}
+    ends = {"restart": "kill", "resume": "pause"}  # the event that ends each kind of outage
+    lost, open_at = 0.0, {}
     for e in events:
-        if e["what"] in ("kill", "pause"):
-            open_at[("kill" if e["what"] == "kill" else "pause", e["learner"])] = e["t"]
-        elif e["what"] in ("restart", "resume"):
-            key = ("kill" if e["what"] == "restart" else "pause", e["learner"])
-            if key in open_at:
-                lost += e["t"] - open_at.pop(key)
+        if e["what"] in ends.values():
+            open_at[(e["what"], e["learner"])] = e["t"]
+        elif e["what"] in ends and (ends[e["what"]], e["learner"]) in open_at:
+            lost += e["t"] - open_at.pop((ends[e["what"]], e["learner"]))
     return 1.0 - lost / (wall * cfg.learners)
 
 
