@@ -1,0 +1,1 @@
+"""Deterministic simulation test of the syncer core: simulated learners and network, faults from one seed."""
