@@ -2,8 +2,10 @@
 
 A checkpoint is written to a temporary file in the same directory, fsynced, renamed into place
 (atomic on POSIX) and the directory fsynced, so a crash leaves either the old set of checkpoints or
-the new one, never a torn file under a final name. Names sort by merge count and carry the content
-hash: `ckpt-<merges:012d>-<sha256[:16]>.ddck`.
+the new one, never a torn file under a final name. Names sort in the order the checkpoints were
+written and carry the content hash: `ckpt-<merges:012d>-<seq:06d>-<sha256[:16]>.ddck`. The sequence
+number breaks ties between checkpoints of the same merge count (learners leaving change the state
+without a merge), so "newest" never depends on a hash.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ddiloco.core.syncer import SyncerState
 
 log = logging.getLogger("ddiloco.syncer")
 
-_NAME = re.compile(r"^ckpt-(\d{12})-([0-9a-f]{16})\.ddck$")
+_NAME = re.compile(r"^ckpt-(\d{12})-(\d{6})-([0-9a-f]{16})\.ddck$")
+SEQUENCE_MAX = 999_999  # six digits in the name (a million checkpoints without a merge between them)
 CHECKPOINTS_KEPT_DEFAULT = 3
 
 
@@ -39,7 +42,7 @@ def write(directory: Path, state: SyncerState, keep: int = CHECKPOINTS_KEPT_DEFA
     directory = Path(directory)
     chunks = checkpoint.to_chunks(state)
     sha = checkpoint.content_hash(chunks)
-    final = directory / f"ckpt-{state.merges:012d}-{sha[:16]}.ddck"
+    final = directory / f"ckpt-{state.merges:012d}-{_next_sequence(directory, state.merges):06d}-{sha[:16]}.ddck"
     tmp = directory / f".{final.name}.tmp-{os.getpid()}"
     size = 0
     try:
@@ -77,7 +80,20 @@ def newest_valid(directory: Path) -> tuple[SyncerState, Path]:
 
 
 def _checkpoints(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
     return [p for p in directory.iterdir() if _NAME.match(p.name)]
+
+
+def _next_sequence(directory: Path, merges: int) -> int:
+    """One more than the newest checkpoint's sequence number when it has the same merge count."""
+    newest = max(_checkpoints(directory), default=None, key=lambda p: p.name)
+    if newest is None:
+        return 1
+    m = _NAME.match(newest.name)
+    if int(m.group(1)) != merges:
+        return 1
+    return min(int(m.group(2)) + 1, SEQUENCE_MAX)
 
 
 def _prune(directory: Path, keep: int) -> None:
