@@ -57,6 +57,7 @@ from ddiloco.core.schedule import Schedule
 from ddiloco.core.weights import token_weight
 
 PROTOCOL_VERSION = 1
+PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spare cover failures
 
 
 class LearnerStatus(str, enum.Enum):
@@ -80,6 +81,7 @@ class LearnerRecord:
     steps: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     caught_up_at: float | None = None
+    peer_url: str = ""  # where it serves its state to (re)joining learners; "" if it does not
 
 
 @dataclass
@@ -210,6 +212,8 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
     state.next_learner += 1
     num = cfg.num_fragments
     rec = LearnerRecord(learner, ev.name, ev.conn, LearnerStatus.JOINING, now, now, 0, [-1] * num, [0] * num, [0] * num)
+    rec.peer_url = ev.peer_url
+    peers = _peers(state)  # before this learner is listed: never itself
     state.learners[learner] = rec
     needs_init = not state.holds_parameters and not any(
         r.status is LearnerStatus.INITIALIZING for r in state.learners.values()
@@ -222,11 +226,18 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
         out.append(Log("info", f"learner {learner} ({ev.name}) joined as {rec.status.value}"))
     out.append(
         SendWelcome(
-            ev.conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, needs_init
+            ev.conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, needs_init,
+            peers,
         )
     )
     if rec.status is LearnerStatus.RECOVERING:
         out.extend(_full_update(state, (learner,)))
+
+
+def _peers(state: SyncerState) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
+    """Live learners that serve their state, for a (re)joining one to copy (ALGORITHM.md, "Recovery")."""
+    live = [r for _, r in sorted(state.learners.items()) if r.status is LearnerStatus.LIVE and r.peer_url]
+    return tuple((r.id, r.peer_url, tuple(r.versions)) for r in live[:PEERS_IN_WELCOME_MAX])
 
 
 def _on_init(state: SyncerState, ev: InitFragment, now: float, out: list[Effect]) -> None:
@@ -295,6 +306,10 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
     if any(s < 0 or t < 0 or (s == 0 and t > 0) for s, t in zip(ev.steps, ev.tokens)):
         _reject(state, ev.learner, Rejection("bad_counters", "negative counters, or tokens without steps"), out)
         return
+    if ev.step < rec.step:
+        # An older report overtaken by a newer one (delivered twice or out of order): its versions
+        # and counters are out of date, and taking them would move the ledger's windows back.
+        return
     rec.last_seen = now
     rec.step = ev.step
     for p in range(num):
@@ -344,8 +359,13 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
         return
     rec.last_seen = now
     rejection = _admit(state, rec, ev)
+    # The ledger's open window of (learner, fragment) is the one of the version the learner last
+    # reported. A push against another version belongs to a window that is already closed (its
+    # progress overtook the push: its tokens were booked as lost then) or not yet opened: booking it
+    # here would count its tokens a second time.
+    books = _valid_fragment(state, ev.fragment) and ev.base_version == rec.versions[ev.fragment]
     if rejection is not None:
-        if _valid_fragment(state, ev.fragment):
+        if books:
             state.ledger.fate(ev.learner, ev.fragment, ev.tokens, rejection.fate)
         _reject(state, ev.learner, rejection, out)
         if rejection.code == "stale":
@@ -434,17 +454,17 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
     missing = [m for m in rnd.asked if m not in rnd.pushes]
     if len(positive) < state.config.quorum:
         for m, push in rnd.pushes.items():
-            state.ledger.fate(m, p, push.tokens, "late")
+            _book_push(state, m, p, push.tokens, "late")
         _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{state.config.quorum} ({why})", out)
         return
     spec = state.layout.fragments[p]
     delta, info = merge(positive, spec, state.config.merge)
     frag.theta, frag.momentum = outer.update(frag.momentum, frag.theta, delta, state.config.outer, donate=True)
+    for m, push in rnd.pushes.items():
+        _book_push(state, m, p, push.tokens, "merged" if push.weight > 0 else "late")
     frag.version += 1
     state.merges += 1
     state.merges_since_checkpoint += 1
-    for m, push in rnd.pushes.items():
-        state.ledger.fate(m, p, push.tokens, "merged" if push.weight > 0 else "late")
     late_text = f"; missing {', '.join(f'learner {m}' for m in missing)}" if missing else ""
     waited = (now - rnd.quorum_at) * 1000 if rnd.quorum_at is not None else 0.0
     fallback = f"; mean fallback for {len(info.mean_fallback_tensors)} tensors" if info.mean_fallback_tensors else ""
@@ -458,6 +478,15 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
 
 
 _RECEIVERS = (LearnerStatus.LIVE, LearnerStatus.RECOVERING)
+
+
+def _book_push(state: SyncerState, learner: int, p: int, tokens: int, fate: str) -> None:
+    """Give a kept push's tokens their fate, if its ledger window is still open. A learner that left
+    before the round closed had its windows closed then, their tokens booked as lost: booking them
+    again would count them twice."""
+    rec = state.learners[learner]
+    if rec.status is not LearnerStatus.GONE and rec.versions[p] == state.fragments[p].version:
+        state.ledger.fate(learner, p, tokens, fate)
 
 
 def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, reason: str, out: list[Effect]) -> None:

@@ -321,3 +321,54 @@ def test_token_weights_follow_counters():
     assert merged.learners == (1, 2)
     assert merged.weights == pytest.approx((20000 / 65000, 45000 / 65000))
     assert h.state.ledger.totals["merged"] == 500
+
+
+# ---- regressions found by the chaos simulation (docs/chaos-sim.md) ---------------------------------
+
+
+def test_late_push_after_the_newer_version_was_reported_is_not_booked_twice():
+    # Learner 2 answers a request, applies the merged version and reports it: its progress (a
+    # control frame) overtakes its push (bulk). The push's window closed with that progress (its
+    # tokens were booked as lost then), so the late push must not book them again.
+    h = Harness(quorum=1)
+    two_live(h)
+    fragment, rnd = open_round(h, 1)
+    h.push(1, fragment, rnd)  # merged: version 1
+    h.progress(2, 2)  # learner 2 holds version 1: a new window for the fragment
+    reported = h.state.ledger.reported
+    (err,) = h.of(SendError, h.push(2, fragment, rnd, base=0, tokens=400, steps=4))
+    assert err.code == "late"
+    assert h.state.ledger.reported == reported
+    h.state.ledger.check()
+
+
+def test_push_of_a_learner_gone_before_its_round_closed_opens_no_window():
+    h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=1000.0, overlap=2))
+    two_live(h)
+    measure_timing(h)
+    fragment, rnd = open_round(h, 4)
+    (timer,) = h.of(ArmTimer, h.push(1, fragment, rnd))
+    h.send(Disconnect(1, "killed"))  # learner 2 has not delivered: the round waits for its timer
+    reported = h.state.ledger.reported
+    (merged,) = h.of(Merged, h.send(TimerFired(fragment, rnd), dt=timer.at - h.now))
+    assert merged.learners == (1,)
+    assert (1, fragment) not in h.state.ledger.windows  # its windows closed when it left
+    assert h.state.ledger.reported == reported
+    h.state.ledger.check()
+
+
+def test_progress_overtaken_by_a_newer_one_is_ignored():
+    h = Harness(quorum=1)
+    two_live(h)
+    fragment, rnd = open_round(h, 1)
+    h.push(1, fragment, rnd)  # merged: version 1
+    held = [f.version for f in h.state.fragments]
+    before = [0] * len(held)
+    h.send(Progress(learner=2, step=3, versions=tuple(held), steps=(3, 1), tokens=(300, 100)))
+    reported = h.state.ledger.reported
+    # the report of step 2, delivered late (twice, or out of order), still says version 0
+    h.send(Progress(learner=2, step=2, versions=tuple(before), steps=(2, 2), tokens=(200, 200)))
+    rec = h.state.learners[2]
+    assert rec.step == 3 and rec.versions == held
+    assert h.state.ledger.reported == reported
+    h.state.ledger.check()
