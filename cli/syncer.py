@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every-merges", type=int)
     p.add_argument("--checkpoint-every-s", type=float)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    p.add_argument("--record", type=Path, metavar="DIR",
+                   help="write the event tape of this run into DIR (a new directory; `ddiloco replay DIR` checks it)")
+    p.add_argument("--record-no-payloads", action="store_true",
+                   help="with --record: keep only the hashes of pushed payloads (a smaller tape that cannot be replayed)")
 
 
 def resolve_config(args: argparse.Namespace):
@@ -127,10 +131,29 @@ def run(args: argparse.Namespace) -> int:
     server_config = server.ServerConfig(
         host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume
     )
-    daemon = server.SyncerServer(state, server_config)
+    tape = _open_tape(args, state, log)
+    daemon = server.SyncerServer(state, server_config, tape=tape)
     _use_uvloop()
     asyncio.run(daemon.serve_forever())
     return 0
+
+
+def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
+    """The tape writer for --record, started from the state the daemon is about to serve."""
+    from ddiloco.core import tape as tapes
+
+    if args.record is None:
+        if args.record_no_payloads:
+            raise ValueError("--record-no-payloads needs --record DIR")
+        return None
+    source = f"resume {args.resume}" if args.resume else f"init {args.init}" if args.init else "no parameters"
+    options = tapes.TapeOptions(keep_payloads=not args.record_no_payloads)
+    try:
+        writer = tapes.TapeWriter.create(args.record, state, source, options)
+    except tapes.TapeError as exc:
+        raise ValueError(str(exc)) from exc
+    log.info("recording the event tape in %s (payloads %s)", args.record, "kept" if options.keep_payloads else "hashed only")
+    return writer
 
 
 def _use_uvloop() -> None:

@@ -22,6 +22,7 @@ class Join:
     name: str
     tensors: tuple[TensorSpec, ...]
     protocol: int
+    peer_url: str = ""  # where the learner serves its state to (re)joining peers; "" if it does not
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class SendWelcome:
     versions: tuple[int, ...]
     global_step: int
     needs_init: bool  # the syncer holds no parameters and asks this learner for them
+    peers: tuple[tuple[int, str, tuple[int, ...]], ...] = ()  # (learner, peer url, versions) of live peers
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import functools
 import re
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import ClassVar
 
 import orjson
@@ -38,6 +38,7 @@ from ddiloco.core.codec import Codec
 INT_MAX = 2**63 - 1  # the largest integer any field may hold; fits every JSON decoder's int64
 DIGEST_RE = re.compile(r"[0-9a-f]{8,128}")  # a layout digest: lowercase hex, 4 to 64 bytes
 SHOWN_CHARS_MAX = 60  # how much of a bad value an error text quotes
+PEER_URL_CHARS_MAX = 512
 
 
 class Kind(enum.IntEnum):
@@ -73,6 +74,7 @@ class ErrorCode(enum.IntEnum):
     OVERLOADED = 14  # too many messages in flight or a full queue
     INTERNAL = 15  # a bug on the side that sends this code
     SHUTTING_DOWN = 16  # the syncer is stopping; reconnect later
+    LATE = 17  # a push for a round that closed before it arrived (its tokens are booked as late)
 
 
 # The wire names codecs exactly as the codecs themselves do: one enum for both.
@@ -113,9 +115,14 @@ class Hello(_Body):
     held_versions: tuple[int, ...]
     clock: dict[str, int]
     tensors_json: str
+    # Optional (omitted from the body when empty): where this learner serves its state to peers.
+    peer_url: str = ""
 
     def _check(self) -> None:
         _require(self.name != "", "Hello.name must not be empty")
+        _require(len(self.peer_url) <= PEER_URL_CHARS_MAX, f"Hello.peer_url is above {PEER_URL_CHARS_MAX} characters")
+        _require(self.peer_url == "" or self.peer_url.startswith(("http://", "https://")),
+                 f"Hello.peer_url must be an http(s) URL, got {_show(self.peer_url)}")
         _check_digest("Hello.layout_digest", self.layout_digest)
 
 
@@ -139,6 +146,9 @@ class Welcome(_Body):
     clock: dict[str, int]
     needs_init: bool
     layout_json: str
+    # Optional (omitted from the body when empty): JSON list of [learner id, peer url, versions] of
+    # the live learners that serve their state, for a (re)joining learner to copy from.
+    peers_json: str = ""
 
     def _check(self) -> None:
         _check_digest("Welcome.layout_digest", self.layout_digest)
@@ -277,7 +287,11 @@ SYNCER_KINDS = frozenset({Kind.WELCOME, Kind.REQUEST, Kind.UPDATE, Kind.ERROR, K
 
 def message_meta(message: Message) -> bytes:
     """The message's fields except the payload, as JSON with sorted keys (canonical bytes)."""
-    body = {name: getattr(message, name) for name in _meta_names(type(message))}
+    optional = _optional_defaults(type(message))
+    body = {
+        name: getattr(message, name) for name in _meta_names(type(message))
+        if name not in optional or getattr(message, name) != optional[name]
+    }  # an optional field at its default is left out, so older peers read the message unchanged
     return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
 
 
@@ -289,7 +303,7 @@ def message_from_meta(kind: Kind, meta: bytes | memoryview, payload: memoryview)
     if type(obj) is not dict:
         raise ValueError(f"{cls.__name__} body must be a JSON object, got {_show(obj)}")
     expected = _meta_names(cls)
-    missing = sorted(set(expected) - obj.keys())
+    missing = sorted(set(expected) - obj.keys() - _optional_defaults(cls).keys())
     unknown = sorted(obj.keys() - set(expected))
     if missing or unknown:
         raise ValueError(
@@ -307,6 +321,12 @@ def message_from_meta(kind: Kind, meta: bytes | memoryview, payload: memoryview)
 def _field_hints(cls: type) -> dict[str, object]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
+
+
+@functools.cache
+def _optional_defaults(cls: type) -> dict[str, object]:
+    """Fields added after the first protocol version: they have a default and may be absent."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
 @functools.cache

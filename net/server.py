@@ -31,6 +31,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from ddiloco.core import syncer as core
+from ddiloco.core import tape as tapes
 from ddiloco.core.events import (
     ArmTimer,
     Disconnect,
@@ -46,6 +47,7 @@ from ddiloco.core.events import (
     TimerFired,
     WriteCheckpoint,
 )
+from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import session, store, wire
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.connection import Connection, QueueLimits, SlowPeerError
@@ -54,6 +56,7 @@ from ddiloco.net.telemetry import Metrics, render_prometheus, status_document
 log = logging.getLogger("ddiloco.syncer")
 
 CLOSE_FLUSH_S_MAX = 1.0  # how long a closing connection may take to send the error that explains it
+SYNCER_CLOCK_NAME = "syncer"  # the syncer's entry in every vector clock
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,19 @@ class FrameSet:
 class SyncerServer:
     """The daemon. `await start()`, then `port` is known; `await stop()` ends it cleanly."""
 
-    def __init__(self, state: core.SyncerState, config: ServerConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        state: core.SyncerState,
+        config: ServerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        tape: tapes.TapeWriter | None = None,
+    ):
         self.state = state
+        # The syncer's vector clock lives here in the shell, not in the core state: no decision of the
+        # core depends on it, so the core, `state_hash` and the checkpoint format stay as they are, and
+        # the tape records it beside each event. Only the core thread replaces it (an immutable value).
+        self.vclock = VClock()
+        self.tape = tape  # records every event the core handles, when given
         self.config = config
         self.clock = clock
         self.metrics = Metrics()
@@ -145,6 +159,8 @@ class SyncerServer:
             await conn.ws.close(code=1001, message=b"syncer shutting down")
         await self._events.put(None)
         await self._core_task
+        if self.tape is not None:
+            await asyncio.get_running_loop().run_in_executor(self._core, self._tape, lambda t: t.close(self.state))
         for task in list(self._background):  # the connections are closed already: nothing left to do
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -172,13 +188,15 @@ class SyncerServer:
     async def _core_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            event = await self._events.get()
-            if event is None:
+            item = await self._events.get()
+            if item is None:
                 return
+            # A queued item is an event, or (event, the clock its learner message carried).
+            event, carried = item if isinstance(item, tuple) else (item, None)
             started = time.perf_counter()
             now = self.clock()
             try:
-                self.state, effects = await loop.run_in_executor(self._core, core.handle, self.state, event, now)
+                self.state, effects = await loop.run_in_executor(self._core, self._step, event, carried, now)
             except Exception:  # a bug in the core: log it loudly and stop, never limp on
                 log.exception("syncer core failed on %s", type(event).__name__)
                 raise
@@ -192,6 +210,36 @@ class SyncerServer:
                 self.metrics.merge_kernel_s += spent
                 await self._events.put(MergeCost(spent))
 
+    def _step(self, event: Event, carried: dict[str, int] | None, now: float):
+        """On the core thread: advance the syncer's clock, tape the event, run the core, tape its merges.
+        Recording only reads: the core gets the same event and `now` with or without a tape."""
+        try:
+            clock = self.vclock.merge(carried or {})
+        except VClockError as exc:
+            log.warning("not merging a learner's clock into the syncer's: %s", exc)
+            clock = self.vclock
+        self.vclock = clock.tick(SYNCER_CLOCK_NAME)
+        index = self._tape(lambda t: t.event(event, now, self.vclock))
+        state, effects = core.handle(self.state, event, now)
+        if index is not None:
+            self._tape(lambda t: t.checks(index, state, effects))
+        return state, effects
+
+    def _tape(self, write):
+        """Run one tape write; a tape that cannot be written stops recording, loudly, never the syncer."""
+        if self.tape is None:
+            return None
+        try:
+            return write(self.tape)
+        except (tapes.TapeError, OSError) as exc:
+            log.error("event tape stopped, the run goes on unrecorded from here: %s", exc)
+            tape, self.tape = self.tape, None
+            try:
+                tape.abandon()
+            except OSError:
+                pass  # the disk already failed the write above; that error is the one logged
+            return None
+
     async def _carry_out(self, effect) -> None:
         if isinstance(effect, (SendWelcome, SendRequest, SendError)):
             conn = self._conn_for(effect)
@@ -199,7 +247,8 @@ class SyncerServer:
                 if isinstance(effect, SendWelcome):
                     conn.learner = effect.learner
                     self._by_learner[effect.learner] = conn
-                self._queue(conn, session.frames_for(effect, next(self._message_ids), self.config.wire), bulk=False)
+                frames = session.frames_for(effect, next(self._message_ids), self.config.wire, self.vclock.as_dict())
+                self._queue(conn, frames, bulk=False)
         elif isinstance(effect, SendUpdate):
             # Encoded lazily, when a connection gets to it, from the newest version (see FrameSet).
             build = functools.partial(self._update_frames_async, effect.fragment)
@@ -236,7 +285,10 @@ class SyncerServer:
         if cached is not None and cached.version == version:
             return cached
         codec, version, values = core.update_values(self.state, fragment)
-        frames = FrameSet(version, session.update_frames(fragment, version, codec, values, next(self._message_ids), self.config.wire))
+        frames = FrameSet(
+            version,
+            session.update_frames(fragment, version, codec, values, next(self._message_ids), self.config.wire, self.vclock.as_dict()),
+        )
         self._frame_sets[fragment] = frames
         return frames
 
@@ -344,7 +396,7 @@ class SyncerServer:
             return True
         if isinstance(event, Disconnect):
             return False
-        await self._events.put(event)
+        await self._events.put((event, message.clock))
         return True
 
     async def _refuse(self, conn: Connection, exc: "wire.WireError") -> bool:

@@ -8,6 +8,7 @@ element count), so nothing is said twice on the wire.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import orjson
@@ -19,7 +20,9 @@ from ddiloco.net import messages as msg
 from ddiloco.net import wire
 
 PROTOCOL_VERSION = wire.PROTOCOL_VERSION
+log = logging.getLogger("ddiloco.session")
 TENSORS_JSON_BYTES_MAX = 8 << 20
+PEERS_MAX = 64  # peers read from a welcome; the syncer lists far fewer
 
 # core error code -> wire error code
 _WIRE_CODE = {
@@ -27,7 +30,7 @@ _WIRE_CODE = {
     "bad_shape": msg.ErrorCode.BAD_SHAPE,
     "non_finite": msg.ErrorCode.NON_FINITE,
     "stale": msg.ErrorCode.STALE,
-    "late": msg.ErrorCode.STALE,
+    "late": msg.ErrorCode.LATE,
     "duplicate": msg.ErrorCode.DUPLICATE,
     "unknown_round": msg.ErrorCode.BAD_MESSAGE,
     "not_live": msg.ErrorCode.UNEXPECTED_KIND,
@@ -60,6 +63,14 @@ class WelcomeInfo:
     versions: tuple[int, ...]
     global_step: int
     needs_init: bool
+    peers: tuple["PeerInfo", ...] = ()  # live learners serving their state, by learner id
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    learner: int
+    url: str
+    versions: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -121,30 +132,46 @@ def parse_tensors(text: str) -> tuple[TensorSpec, ...]:
         raise SessionError(msg.ErrorCode.BAD_LAYOUT, f"malformed tensor list in hello: {exc}", fatal=True) from exc
 
 
-def hello_frames(name: str, tensors: tuple[TensorSpec, ...], message_id: int, limits: wire.WireLimits) -> list:
+def parse_peers(text: str) -> tuple[PeerInfo, ...]:
+    """The welcome's peer list. A malformed one is logged and read as no peers: the learner then
+    recovers from the syncer's fragments, which is always correct (only slower)."""
+    if not text:
+        return ()
+    try:
+        rows = orjson.loads(text)
+        return tuple(PeerInfo(int(i), str(u), tuple(int(x) for x in v)) for i, u, v in rows[:PEERS_MAX])
+    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        log.warning("ignoring a malformed peer list in the welcome: %s", exc)
+        return ()
+
+
+def hello_frames(
+    name: str, tensors: tuple[TensorSpec, ...], message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None,
+    peer_url: str = "",
+) -> list:
     hello = msg.Hello(
-        name=name, layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock={},
-        tensors_json=tensors_json(tensors),
+        name=name, layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock=clock or {},
+        tensors_json=tensors_json(tensors), peer_url=peer_url,
     )
     return wire.encode(hello, message_id=message_id, limits=limits)
 
 
-def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits) -> list:
+def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
     m = msg.Progress(
-        step=p.step, fragment_steps=p.steps, fragment_tokens=p.tokens, clock={}, held_versions=p.versions
+        step=p.step, fragment_steps=p.steps, fragment_tokens=p.tokens, clock=clock or {}, held_versions=p.versions
     )
     return wire.encode(m, message_id=message_id, limits=limits)
 
 
-def bulk_frames(item: PushInfo | InitInfo, message_id: int, limits: wire.WireLimits) -> list:
+def bulk_frames(item: PushInfo | InitInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
     enc = codecs.parse(item.payload)
     body = memoryview(item.payload)[codecs.HEADER_BYTES :]
     if isinstance(item, InitInfo):
-        m = msg.Init(fragment=item.fragment, element_count=enc.elements, clock={}, payload=body)
+        m = msg.Init(fragment=item.fragment, element_count=enc.elements, clock=clock or {}, payload=body)
     else:
         m = msg.Push(
             fragment=item.fragment, round=item.round, base_version=item.base_version, steps=item.steps,
-            tokens=item.tokens, codec=enc.codec.value, block=max(enc.block, 1), element_count=enc.elements, clock={},
+            tokens=item.tokens, codec=enc.codec.value, block=max(enc.block, 1), element_count=enc.elements, clock=clock or {},
             payload=body,
         )
     return wire.encode(m, message_id=message_id, limits=limits)
@@ -154,7 +181,9 @@ def client_view(m: msg.Message) -> object:
     """What a learner makes of a syncer message."""
     if isinstance(m, msg.Welcome):
         layout = orjson.loads(m.layout_json)
-        return WelcomeInfo(m.learner_id, layout, m.layout_digest, m.versions, m.global_step, m.needs_init)
+        return WelcomeInfo(
+            m.learner_id, layout, m.layout_digest, m.versions, m.global_step, m.needs_init, parse_peers(m.peers_json)
+        )
     if isinstance(m, msg.Request):
         return RequestInfo(m.fragment, m.round, m.base_version)
     if isinstance(m, msg.Update):
@@ -172,7 +201,7 @@ def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | N
     if isinstance(m, msg.Hello):
         if learner is not None:
             raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, "a second hello on one connection", fatal=True)
-        return ev.Join(conn, m.name, parse_tensors(m.tensors_json), PROTOCOL_VERSION)
+        return ev.Join(conn, m.name, parse_tensors(m.tensors_json), PROTOCOL_VERSION, m.peer_url)
     if learner is None:
         raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"{type(m).__name__} before hello", fatal=True)
     if isinstance(m, msg.Progress):
@@ -192,7 +221,7 @@ def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | N
     raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"learners do not send {type(m).__name__}")
 
 
-def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits) -> list:
+def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
     """The frames carrying a core effect that sends something."""
     if isinstance(effect, ev.SendWelcome):
         frags = effect.layout["fragments"]
@@ -200,8 +229,9 @@ def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits) -> l
             learner_id=effect.learner, layout_digest=effect.digest, fragment_count=len(frags),
             versions=tuple(max(v, 0) for v in effect.versions), sync_every_steps=1,
             fragment_offsets=tuple(0 for _ in frags), global_step=effect.global_step, codec="int4",
-            codec_block=effect.layout["block"], clock={}, needs_init=effect.needs_init,
+            codec_block=effect.layout["block"], clock=clock or {}, needs_init=effect.needs_init,
             layout_json=orjson.dumps(effect.layout).decode(),
+            peers_json=orjson.dumps([[i, u, list(v)] for i, u, v in effect.peers]).decode() if effect.peers else "",
         )
     elif isinstance(effect, ev.SendRequest):
         m = msg.Request(fragment=effect.fragment, round=effect.round, base_version=effect.base_version)
@@ -212,9 +242,11 @@ def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits) -> l
     return wire.encode(m, message_id=message_id, limits=limits)
 
 
-def update_frames(fragment: int, version: int, codec: str, values, message_id: int, limits: wire.WireLimits) -> list:
+def update_frames(
+    fragment: int, version: int, codec: str, values, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+) -> list:
     """The frames of one fragment update (values: float32 or bf16 bits, copied into the frames)."""
-    m = msg.Update(fragment=fragment, version=version, codec=codec, element_count=values.size, clock={}, payload=values)
+    m = msg.Update(fragment=fragment, version=version, codec=codec, element_count=values.size, clock=clock or {}, payload=values)
     return wire.encode(m, message_id=message_id, limits=limits)
 
 
