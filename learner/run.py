@@ -2,8 +2,9 @@
 
 Readable top to bottom, in the spirit of a small `train.py`: build the model, connect, then loop
 (inner AdamW step, sync hook) until the global step budget is spent. A learner that is killed and
-started again rejoins by itself: it takes the syncer's current fragments and step count from the
-welcome, and a fresh optimizer state (weight 0 until it holds every fragment).
+started again rejoins by itself: it copies parameters, AdamW state and step from a live peer that
+holds the syncer's current versions (or, failing that, takes the syncer's fragments and a fresh
+optimizer state), with weight 0 until it holds every fragment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.net.peer import PeerConfig
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -41,6 +43,7 @@ class LearnerConfig:
     speed: float = 1.0  # < 1 makes this learner slower (sleeps after each step)
     log_file: Path | None = None  # JSON lines: step, loss, versions, tokens
     cache_dir: Path | None = None
+    peer: PeerConfig | None = field(default_factory=PeerConfig)  # serve this learner's state to rejoining peers
 
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
@@ -65,7 +68,11 @@ def run_learner(cfg: LearnerConfig) -> dict:
     opt_state = tx.init(params)
     train_step = reference.make_train_step(cfg.model, tx)
     stream = data.batches(cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed))
-    sync = DilocoSync(params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec))
+    sync = DilocoSync(params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec, peer=cfg.peer))
+    joined = time.monotonic()
+    # A (re)joining learner copies a healthy peer's parameters, AdamW state and step when it can.
+    params, opt_state = sync.recover(params, opt_state)
+    caught_up_s = None
     tokens_per_step = cfg.batch * cfg.model.seq
     log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file else None
     started, steps, ce = time.monotonic(), 0, float("nan")
@@ -75,8 +82,10 @@ def run_learner(cfg: LearnerConfig) -> dict:
             t0 = time.perf_counter()
             x, y = next(stream)
             params, opt_state, ce_array = train_step(params, opt_state, x, y)
-            params = sync.step(params, tokens=tokens_per_step)
+            params = sync.step(params, tokens=tokens_per_step, opt_state=opt_state)
             steps += 1
+            if caught_up_s is None and min(sync.versions) >= 0:
+                caught_up_s = time.monotonic() - joined
             if cfg.speed < 1:  # a slower chip: the step takes 1/speed as long
                 time.sleep((time.perf_counter() - t0) * (1 / cfg.speed - 1))
             if log_fh and steps % 5 == 0:
@@ -90,4 +99,6 @@ def run_learner(cfg: LearnerConfig) -> dict:
         if log_fh:
             log_fh.close()
     return {"learner": sync.learner_id, "steps": steps, "last_step": sync.step_count, "loss": ce,
-            "applied": sync.merged_versions_applied, "config": asdict(cfg)["name"]}
+            "applied": sync.merged_versions_applied, "config": asdict(cfg)["name"],
+            "recovered_from": sync.recovered_from, "recovery_s": round(sync.recovery_s, 3),
+            "caught_up_s": None if caught_up_s is None else round(caught_up_s, 3)}
