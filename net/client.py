@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ddiloco.core.layout import TensorSpec
+from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import session, wire
 
 log = logging.getLogger("ddiloco.client")
@@ -40,6 +41,7 @@ class ClientConfig:
     name: str
     tensors: tuple[TensorSpec, ...]
     token: str | None = None
+    peer_url: str = ""  # advertised in the hello: where this learner serves its state (net.peer)
     reconnect_s_min: float = 0.05
     reconnect_s_max: float = 5.0
     connect_timeout_s: float = 10.0
@@ -84,24 +86,36 @@ class SyncerClient:
         self._rng = rng or random.Random(0)  # jitter of the backoff only
         self.last_error: str | None = None
         self.bytes_out = 0
+        # This learner's vector clock (docs/replay.md): ticked before every message sent, merged with
+        # the clock of every message received. Kept across reconnects: it is the process's clock.
+        self.clock = VClock()
 
     # ---- used by the training side (from the client's loop) -------------------------------------
 
-    def queue_progress(self, progress: session.ProgressInfo) -> None:
-        self._progress.append(progress)
+    # `welcomes`: how many welcomes the caller had seen when it made the message (None: send it
+    # whatever happened since). A message made before the caller saw the latest welcome belongs to
+    # the previous session: sent now, it would speak for the new learner id with the old one's
+    # versions and tokens (turning live a learner that holds nothing, booking tokens twice), so the
+    # writer drops it.
+
+    def queue_progress(self, progress: session.ProgressInfo, welcomes: int | None = None) -> None:
+        self._progress.append((welcomes, progress))
         self._wake.set()
 
-    def queue_push(self, push: session.PushInfo) -> bool:
+    def queue_push(self, push: session.PushInfo, welcomes: int | None = None) -> bool:
         """False when the push queue is full (the caller keeps its counters and tries next time)."""
         if len(self._bulk) >= self.config.pushes_queued_max:
             return False
-        self._bulk.append(push)
+        self._bulk.append((welcomes, push))
         self._wake.set()
         return True
 
-    def queue_init(self, fragment: int, payload: bytes) -> None:
-        self._bulk.append(session.InitInfo(fragment, payload))
+    def queue_init(self, fragment: int, payload: bytes, welcomes: int | None = None) -> None:
+        self._bulk.append((welcomes, session.InitInfo(fragment, payload)))
         self._wake.set()
+
+    def _current(self, welcomes: int | None) -> bool:
+        return welcomes is None or welcomes == self.inbox.welcomes
 
     async def close(self) -> None:
         self._closing = True
@@ -147,7 +161,10 @@ class SyncerClient:
             async with ws:
                 self.inbox.connects += 1
                 self.connected.set()
-                hello = session.hello_frames(self.config.name, self.config.tensors, next(self._ids), self.config.wire)
+                hello = session.hello_frames(
+                    self.config.name, self.config.tensors, next(self._ids), self.config.wire, self._tick(),
+                    self.config.peer_url,
+                )
                 for frame in hello:
                     await ws.send_bytes(frame)
                 # The protocol: nothing after the hello until the welcome (the syncer has no learner
@@ -172,9 +189,22 @@ class SyncerClient:
                 continue
             message = reassembler.feed(msg.data)
             if message is not None:
+                self._merge_clock(getattr(message, "clock", None))
                 self._deliver(session.client_view(message))
         close_text = f"closed by syncer (code {ws.close_code})"
         raise ConnectionError(close_text)
+
+    def _tick(self) -> dict[str, int]:
+        self.clock = self.clock.tick(self.config.name)
+        return self.clock.as_dict()
+
+    def _merge_clock(self, carried: dict[str, int] | None) -> None:
+        if not carried:
+            return
+        try:
+            self.clock = self.clock.merge(carried)
+        except VClockError as exc:  # the syncer's clock outgrew the limit: ours stays as it was
+            log.warning("not merging the syncer's clock: %s", exc)
 
     def _deliver(self, item: object) -> None:
         if isinstance(item, session.WelcomeInfo):
@@ -204,12 +234,16 @@ class SyncerClient:
                 await self._wake.wait()
                 continue
             if self._progress:
-                item = self._progress.popleft()
-                frames = session.progress_frames(item, next(self._ids), self.config.wire)
+                welcomes, item = self._progress.popleft()
+                if not self._current(welcomes):
+                    continue
+                frames = session.progress_frames(item, next(self._ids), self.config.wire, self._tick())
             elif bulk_frames:
                 frames = [bulk_frames.popleft()]
             else:
-                bulk_frames.extend(session.bulk_frames(self._bulk.popleft(), next(self._ids), self.config.wire))
+                welcomes, item = self._bulk.popleft()
+                if self._current(welcomes):
+                    bulk_frames.extend(session.bulk_frames(item, next(self._ids), self.config.wire, self._tick()))
                 continue
             for frame in frames:
                 await ws.send_bytes(frame)
@@ -226,6 +260,7 @@ class ThreadedClient:
         self._loop = asyncio.new_event_loop()
         self._client: SyncerClient | None = None
         self._ready = threading.Event()
+        self._welcomes_seen = 0  # welcomes the caller has seen: stamps what it sends (see queue_progress)
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -251,26 +286,33 @@ class ThreadedClient:
             )
         if self._client.refused is not None:
             raise self._client.refused
-        return self._client.inbox.welcome
+        fut = asyncio.run_coroutine_threadsafe(self._welcome_now(), self._loop)
+        self._welcomes_seen, welcome = fut.result()
+        return welcome
+
+    async def _welcome_now(self) -> tuple[int, session.WelcomeInfo | None]:
+        return self._client.inbox.welcomes, self._client.inbox.welcome
 
     def progress(self, item: session.ProgressInfo) -> None:
         self._check()
-        self._loop.call_soon_threadsafe(self._client.queue_progress, item)
+        self._loop.call_soon_threadsafe(self._client.queue_progress, item, self._welcomes_seen)
 
     def push(self, item: session.PushInfo) -> None:
         self._check()
-        self._loop.call_soon_threadsafe(self._client.queue_push, item)
+        self._loop.call_soon_threadsafe(self._client.queue_push, item, self._welcomes_seen)
 
     def init(self, fragment: int, payload: bytes) -> None:
         self._check()
-        self._loop.call_soon_threadsafe(self._client.queue_init, fragment, payload)
+        self._loop.call_soon_threadsafe(self._client.queue_init, fragment, payload, self._welcomes_seen)
 
     def take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
         """(requests, updates by fragment, errors) that arrived since the last call, and
         (number of welcomes so far, the latest welcome)."""
         self._check()
         fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
-        return fut.result()
+        taken = fut.result()
+        self._welcomes_seen = taken[3][0]
+        return taken
 
     async def _take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
         box = self._client.inbox

@@ -267,7 +267,12 @@ async def test_stale_push_rejected_with_reason_and_current_version_resent(tmp_pa
     a.tick()
     a.tick()
     a.tick()
-    await until(lambda: state.fragments[frag].open is not None, what="an open round")
+    # Wait until the syncer has taken all three reports: a round read before the last one may be
+    # superseded by it, and the push below would then be late rather than stale.
+    me = a.client.inbox.welcome.learner
+    await until(
+        lambda: state.learners[me].step == a.step and state.fragments[frag].open is not None, what="an open round"
+    )
     rnd = state.fragments[frag].open.number
     vec = np.zeros(a.sizes[frag], dtype=np.float32)
     a.client.inbox.updates.clear()
@@ -372,9 +377,45 @@ async def test_threaded_client_for_synchronous_training_loops(tmp_path):
         await until(lambda: s.server.state.holds_parameters, what="init through the thread")
         tc.progress(session.ProgressInfo(1, (0, 0), (1, 1), (10, 10)))
         await until(lambda: s.server.state.global_step == 1, what="progress through the thread")
-        requests, updates, errors, (welcomes, _) = await loop.run_in_executor(None, tc.take)
+        requests, errors = [], []
+        deadline = loop.time() + 10.0
+        while not requests and loop.time() < deadline:  # the request may still be on its way
+            got, _, errs, (welcomes, _) = await loop.run_in_executor(None, tc.take)
+            requests += got
+            errors += errs
+            await asyncio.sleep(0.01)
         assert welcomes == 1
         assert [r.fragment for r in requests] == [1] and not errors
+    finally:
+        await loop.run_in_executor(None, tc.close)
+        await s.server.stop()
+
+
+async def test_threaded_client_drops_what_was_made_before_the_caller_saw_a_new_welcome(tmp_path):
+    # After a reconnect the learner has a new id; a progress report the training loop made in the
+    # old session (before it took the new welcome) must not speak for the new learner.
+    from ddiloco.net.client import ThreadedClient
+
+    s = Syncer(tmp_path)
+    await s.start()
+    loop = asyncio.get_running_loop()
+    cfg = ClientConfig(url=s.ws_url, name="sync", tensors=TENSORS, token=TOKEN, wire=SMALL, reconnect_s_min=0.01)
+    tc = await loop.run_in_executor(None, ThreadedClient, cfg)
+    try:
+        await loop.run_in_executor(None, tc.wait_welcome, 10.0)
+        sizes = [f.padded_size for f in s.server.state.layout.fragments]
+        for p, n in enumerate(sizes):
+            tc.init(p, codec.encode(np.full(n, 0.5, dtype=np.float32), "fp32"))
+        await until(lambda: s.server.state.holds_parameters, what="init through the thread")
+        conn = next(iter(s.server._conns.values()))
+        await s.server._close(conn, "test: drop the connection")
+        await until(lambda: 2 in s.server.state.learners, what="rejoined as learner 2")
+        tc.progress(session.ProgressInfo(5, (0, 0), (5, 5), (50, 50)))  # made in session 1: dropped
+        _, _, _, (welcomes, welcome) = await loop.run_in_executor(None, tc.take)
+        assert welcomes == 2 and welcome.learner == 2
+        tc.progress(session.ProgressInfo(6, (0, 0), (1, 1), (10, 10)))  # made in session 2: sent
+        await until(lambda: s.server.state.learners[2].step == 6, what="the new session's progress")
+        assert s.server.state.ledger.totals.get("lost", 0) == 0
     finally:
         await loop.run_in_executor(None, tc.close)
         await s.server.stop()
