@@ -99,7 +99,34 @@ def _syncer_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- learner ----
+
+
+def _learner_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=_positive_int, default=200, help="timed steps each way (default 200)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch of the reference loop (default 8)")
+    p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON")
+
+
+def _learner_run(args: argparse.Namespace) -> int:
+    from ddiloco.cli import require_learner_extra
+
+    require_learner_extra()
+    from ddiloco.bench import learner
+
+    config = learner.LearnerBenchConfig(steps=args.steps, batch=args.batch, model=args.model, codec=args.codec)
+    print(f"bench learner: {config}", file=sys.stderr)
+    result = learner.run_learner_bench(config)
+    print(learner.format_report(result))
+    if args.json is not None:
+        _write_json(args.json, [result])
+    return 0
+
+
 KINDS: dict[str, BenchKind] = {
+    "learner": BenchKind("step time of the reference training loop with the sync hook against without it", _learner_arguments, _learner_run),
     "syncer": BenchKind("ingest of the real daemon with spawned learner processes over loopback", _syncer_arguments, _syncer_run),
     "merge": BenchKind("throughput of the merge kernels against numpy, torch and memory bandwidth", _merge_arguments, _merge_run),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,33 +14,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="global step budget (default 400; 60 with --quick)")
     p.add_argument("--quick", action="store_true", help="a short run (about half a minute of training)")
     p.add_argument("--no-chaos", action="store_true", help="no kills and no pauses")
-    p.add_argument("--kills", type=int, default=3)
-    p.add_argument("--speeds", help="comma-separated relative speeds, e.g. 1,1,0.7,0.7")
-    p.add_argument("--baseline", choices=["dp", "none"], default="dp")
+    p.add_argument("--kills", type=int, default=3, help="learner kills (default 3; 1 with --quick)")
+    p.add_argument("--pauses", type=int, help="learner pauses (default 2; 1 with --quick)")
+    p.add_argument("--kill-syncer", action="store_true", help="also kill the syncer once and restart it from its checkpoint")
+    p.add_argument("--speeds", help="comma-separated relative speeds in (0, 1], e.g. 1,1,0.7,0.7")
+    p.add_argument("--baseline", choices=["dp", "none"], default="dp", help="train a data-parallel baseline (default dp)")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--batch", type=int, default=8, help="per-learner batch (default 8)")
+    p.add_argument("--period", type=int, help="H, steps between two syncs of one fragment (default 24; 8 with --quick)")
+    p.add_argument("--overlap", type=int, help="tau, steps a fragment may stay in flight (default 8; 4 with --quick)")
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--quorum", type=int, default=1, help="K, minimum learners per merge")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--grace-max-ms", type=float, default=1000.0, help="cap of the adaptive grace window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="where logs and checkpoints go (default: a new temp dir)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of loss against tokens, kills marked")
+
+
+def _speeds(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(float(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"--speeds must be comma-separated numbers such as 1,1,0.7,0.7, got {text!r}") from None
+
+
+def config_from_args(args: argparse.Namespace):
+    """The DemoConfig the flags describe (`--quick` only changes defaults a flag did not set)."""
+    from ddiloco.learner.demo import DemoConfig
+
+    quick = args.quick
+    return DemoConfig(
+        learners=args.learners, steps=args.steps or (60 if quick else 400), batch=args.batch,
+        fragments=args.fragments, quorum=args.quorum, chaos=not args.no_chaos,
+        kills=1 if quick and args.kills == 3 else args.kills,
+        pauses=args.pauses if args.pauses is not None else (1 if quick else 2),
+        kill_syncer=args.kill_syncer, speeds=_speeds(args.speeds), baseline=args.baseline == "dp",
+        seed=args.seed, model=args.model,
+        restart_delay_s=1.0 if quick else 3.0, pause_s=1.0 if quick else 3.0,
+        # a short run needs more frequent syncs to show merging at all
+        period=args.period or (8 if quick else 24), overlap=args.overlap or (4 if quick else 8),
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, grace_ms_max=args.grace_max_ms,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.cli import require_learner_extra
+    from ddiloco.cli import MissingExtraError, require_learner_extra
 
     require_learner_extra()
-    from ddiloco.learner.demo import DemoConfig, report_json, report_text, run_demo
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before minutes of training
+        raise MissingExtraError("--plot needs matplotlib: install the learner extra, e.g. `pip install 'ddiloco[learner]'`")
+    from ddiloco.learner.demo import report_json, report_text, run_demo, write_plot
 
-    speeds = tuple(float(s) for s in args.speeds.split(",")) if args.speeds else ()
-    steps = args.steps or (60 if args.quick else 400)
-    cfg = DemoConfig(
-        learners=args.learners, steps=steps, chaos=not args.no_chaos, kills=(1 if args.quick else args.kills),
-        pauses=1 if args.quick else 2, speeds=speeds, baseline=args.baseline == "dp", seed=args.seed, model=args.model,
-        restart_delay_s=1.0 if args.quick else 3.0, pause_s=1.0 if args.quick else 3.0,
-        # a short run needs more frequent syncs to show merging at all
-        period=8 if args.quick else 24, overlap=4 if args.quick else 8,
-    )
+    cfg = config_from_args(args)
     print(f"demo: {cfg}", file=sys.stderr)
     report = run_demo(cfg, args.workdir)
     print(report_text(report))
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report_json(report), indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0

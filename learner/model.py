@@ -18,8 +18,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-
+from ddiloco.learner import data
 from ddiloco.learner.data import VOCAB
+
+CHOICE_ITEMS = 200  # multiple-choice items per evaluation (800 scored rows; well under a second on CPU)
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,55 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation) -> Calla
 def make_eval(cfg: ModelConfig) -> Callable:
     """A jitted eval(params, x, y) -> mean cross entropy in nats (bits per byte = nats / ln 2)."""
     return jax.jit(lambda params, x, y: loss(params, x, y, cfg)[1])
+
+
+def make_choice_scorer(cfg: ModelConfig) -> Callable:
+    """A jitted score(params, x, y, mask) -> (summed, per-byte) log-likelihood of each row's masked
+    target bytes, float32[rows] each (rows as built by `data.choice_arrays`)."""
+
+    def score(params: Any, x: jax.Array, y: jax.Array, mask: jax.Array):
+        logits, _ = forward(params, x, cfg)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), y[..., None], axis=-1)[..., 0]
+        summed = jnp.sum(logp * mask, axis=-1)
+        return summed, summed / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+
+    return jax.jit(score)
+
+
+CHOICE_RANKINGS = ("pmi", "per_byte", "sum")
+
+
+def make_choice_accuracy(
+    cfg: ModelConfig, count: int = CHOICE_ITEMS, seed: int = 0, ranking: str = "pmi",
+    items: list[data.ChoiceItem] | None = None,
+) -> Callable[[Any], float]:
+    """accuracy(params) -> share of `data.choice_items(count, cfg.seq, seed)` (or of `items`) where
+    the true next line ranks first among the 4 options (chance 1/4).
+
+    ranking "pmi" (the default, what the demo reports): log P(option | context) minus
+    log P(option | a bare line break), i.e. how much the context raises the option's likelihood.
+    A byte model of our size judges a line mostly by its own spelling, so a plain likelihood ranks
+    lines that are easy to spell first whatever the context ("per_byte": the mean per byte, "sum":
+    the total, which also favours short lines); both stay close to chance at demo scale, while "pmi"
+    measures what the context contributes (Holtzman et al., "Surface Form Competition", 2021).
+    """
+    if ranking not in CHOICE_RANKINGS:
+        raise ValueError(f"ranking must be one of {CHOICE_RANKINGS}, got {ranking!r}")
+    items = items if items is not None else data.choice_items(count, cfg.seq, seed)
+    x, y, mask, answers = data.choice_arrays(items, cfg.seq)
+    bare = data.choice_arrays([data.ChoiceItem(b"\n", it.options, it.answer) for it in items], cfg.seq)
+    score = make_choice_scorer(cfg)
+    options = x.shape[0] // answers.size
+
+    def accuracy(params: Any) -> float:
+        summed, per_byte_ll = score(params, x, y, mask)
+        if ranking == "pmi":
+            ranked = summed - score(params, *bare[:3])[0]
+        else:
+            ranked = per_byte_ll if ranking == "per_byte" else summed
+        return float(jnp.mean(jnp.argmax(ranked.reshape(answers.size, options), axis=-1) == answers))
+
+    return accuracy
 
 
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path:

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from ddiloco.learner import data
 
 
@@ -34,3 +33,33 @@ def test_shards_are_disjoint_and_batches_deterministic():
 def test_bad_shards(text):
     with pytest.raises(data.DataError):
         data.Shard.parse(text)
+
+
+def test_choice_items_are_deterministic_and_well_formed():
+    items = data.choice_items(40, 64, seed=3)
+    assert items == data.choice_items(40, 64, seed=3)
+    assert items != data.choice_items(40, 64, seed=4)
+    held_out = data.eval_bytes().tobytes()
+    answers = set()
+    for it in items:
+        assert len(it.options) == data.CHOICE_OPTIONS == len(set(it.options))
+        assert all(o.endswith(b"\n") and len(o) > data.CHOICE_LINE_BYTES_MIN for o in it.options)
+        assert it.context.endswith(b"\n") and len(it.context) >= data.CHOICE_CONTEXT_BYTES_MIN
+        assert len(it.context) + max(len(o) for o in it.options) <= 64 + 1  # one model window
+        assert it.context + it.options[it.answer] in held_out  # the true line continues the context
+        answers.add(it.answer)
+    assert answers == {0, 1, 2, 3}  # the true line is not always in the same place
+
+
+def test_choice_arrays_mask_exactly_the_option_bytes():
+    items = data.choice_items(3, 64, seed=0)
+    x, y, mask, answers = data.choice_arrays(items, 64)
+    assert x.shape == y.shape == mask.shape == (12, 64) and answers.tolist() == [it.answer for it in items]
+    for r, (item, option) in enumerate((it, o) for it in items for o in it.options):
+        n = len(item.context) + len(option) - 1
+        assert bytes(y[r][mask[r] == 1].astype(np.uint8)) == option
+        np.testing.assert_array_equal(x[r, 1:n], y[r, : n - 1])
+    with pytest.raises(data.DataError, match="count"):
+        data.choice_items(0, 64)
+    with pytest.raises(data.DataError):
+        data.ChoiceItem(b"ctx\n", (b"a\n", b"a\n"), 0)

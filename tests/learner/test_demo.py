@@ -1,20 +1,97 @@
-"""The demo's quick path: real syncer and learner processes, one learner killed and restarted."""
+"""The demo's quick path: real syncer and learner processes, a learner killed and restarted, the
+syncer killed and restarted from its checkpoint, the report, its JSON and its plot."""
 
+import json
 import math
 
-from ddiloco.learner.demo import DemoConfig, report_json, report_text, run_demo
+import pytest
+from ddiloco.learner.demo import (
+    DemoConfig,
+    _chaos_plan,
+    report_json,
+    report_text,
+    run_demo,
+    write_plot,
+)
 
 
-def test_quick_demo_survives_a_kill_and_reports(tmp_path):
-    cfg = DemoConfig(learners=2, steps=60, batch=4, kills=1, pauses=1, restart_delay_s=1.0, pause_s=1.0, seed=1)
+def test_quick_demo_survives_kills_of_a_learner_and_the_syncer(tmp_path):
+    cfg = DemoConfig(learners=2, steps=60, batch=4, kills=1, pauses=1, restart_delay_s=1.0, pause_s=1.0, seed=1,
+                     kill_syncer=True, checkpoint_every_s=0.5, choice_items=32)
     report = run_demo(cfg, tmp_path, out=open(tmp_path / "live.txt", "w"))
-    assert report.kills == 1 and report.recoveries == 1  # the killed learner was started again and finished
+    assert report.kills == 1 and report.recoveries == 1  # the killed learner was started again
+    assert report.syncer_kills == 1
+    whats = [e["what"] for e in report.events]
+    assert whats.index("kill-syncer") < whats.index("restart-syncer")  # restarted with --resume
+    assert "resumed from" in (tmp_path / "syncer.2.log").read_text()
     assert report.merges > 0 and math.isfinite(report.eval_loss) and math.isfinite(report.baseline_eval_loss)
+    assert 0 <= report.choice_accuracy <= 1 and 0 <= report.baseline_choice_accuracy <= 1
     ledger = report.ledger
     assert ledger["reported"] == sum(ledger[k] for k in ("merged", "late", "stale", "rejected", "lost", "open"))
     assert 0 < report.uptime <= 1 and 0 < report.goodput <= 1
-    data = report_json(report)
-    for key in ("eval_loss", "baseline_eval_loss", "uptime", "goodput", "kills", "recoveries", "merges", "ledger"):
+    data = json.loads(json.dumps(report_json(report)))
+    for key in ("eval_loss", "baseline_eval_loss", "choice_accuracy", "baseline_choice_accuracy", "uptime",
+                "goodput", "kills", "recoveries", "merges", "ledger"):
         assert key in data
-    assert "merged model" in report_text(report)
-    assert "chaos: kill" in (tmp_path / "live.txt").read_text()
+    assert data["curves"]["baseline"] and all(e["tokens"] >= 0 for e in data["events"])
+    assert "merged model" in report_text(report) and "syncer kill" in report_text(report)
+    live = (tmp_path / "live.txt").read_text()
+    assert "chaos: kill learner" in live and "chaos: kill the syncer" in live and "syncer down" in live
+    write_plot(report, tmp_path / "plot" / "loss.png")
+    assert (tmp_path / "plot" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chaos_plan_is_seeded_by_step_and_the_syncer_kill_leaves_the_rest_alone():
+    import numpy as np
+
+    cfg = DemoConfig(steps=400, kills=3, pauses=2)
+    plan = _chaos_plan(cfg, np.random.default_rng(7))
+    assert plan == _chaos_plan(cfg, np.random.default_rng(7))
+    assert [a for _, a, _ in plan].count("kill") == 3 and all(0 < s < 400 for s, _, _ in plan)
+    with_syncer = _chaos_plan(DemoConfig(steps=400, kills=3, pauses=2, kill_syncer=True), np.random.default_rng(7))
+    assert [p for p in with_syncer if p[1] != "kill-syncer"] == plan
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"speeds": (1.0,)}, "speeds"), ({"speeds": (1.0, 1.5)}, "speed"), ({"kills": -1}, "non-negative"),
+    ({"model": "big"}, "dense or moe"), ({"checkpoint_every_s": 0}, "checkpoint"),
+])
+def test_bad_demo_configs(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DemoConfig(learners=2, **bad)
+
+
+def test_live_views_show_learner_state_step_tokens_loss_and_versions(tmp_path):
+    import io
+
+    from ddiloco.learner.demo import (
+        PlainView,
+        RichView,
+        _Learner,
+        _LossLog,
+        _Syncer,
+        make_view,
+    )
+
+    log = tmp_path / "learner0.jsonl"
+    log.write_text('{"step": 5, "loss": 3.25}\n{"step": 10, "loss": 2.5}\n{"step": 1')  # the last line still being written
+    logs = [_LossLog(log), _LossLog(tmp_path / "missing.jsonl")]
+    for entry in logs:
+        entry.read()
+    assert logs[0].points == [(5, 3.25), (10, 2.5)] and logs[1].points == []
+    status = {"global_step": 10, "merges": 3, "fragments": [{"version": 2}, {"version": 1}],
+              "learners": [{"id": 1, "name": "learner-0", "status": "live", "step": 10, "versions": [2, 1]}],
+              "decisions": [{"reason": "merged 1/2 (quorum 1) after 0 ms of grace"}]}
+    learners, cfg = [_Learner(0), _Learner(1, killed_at=1.0)], DemoConfig(learners=2)
+    syncer = _Syncer(proc=None, log=tmp_path / "syncer.log")
+    assert isinstance(make_view(io.StringIO()), PlainView)  # not a terminal: plain lines
+    plain = io.StringIO()
+    PlainView(plain).update(12.0, status, learners, logs, cfg, syncer)
+    assert "merges    3 v[2,1] L0:live@10 L1:killed@-" in plain.getvalue()
+    screen = io.StringIO()
+    view = RichView(screen)
+    view.update(12.0, status, learners, logs, cfg, syncer)
+    view.close()
+    text = screen.getvalue()
+    for cell in ("learner", "live", "killed", "2.500", "5,120", "2,1", "merged 1/2"):
+        assert cell in text, cell

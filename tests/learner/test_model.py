@@ -3,7 +3,6 @@ import math
 import jax
 import numpy as np
 import pytest
-
 from ddiloco.learner import data, model
 from ddiloco.learner.tree import tensor_specs
 
@@ -32,6 +31,35 @@ def test_training_on_shakespeare_lowers_held_out_loss(experts, tmp_path):
         assert np.isfinite(float(ce))
     after = float(evaluate(params, ex, ey))
     assert after < before - 1.0, (before, after)  # well below uniform: it learned byte statistics
+    # The scorer sees what the model learned: a true line of verse against byte noise of the same length.
+    noise = np.random.default_rng(1)
+    items = [
+        data.ChoiceItem(it.context, tuple(
+            it.options[it.answer] if k == it.answer else bytes(noise.integers(33, 127, len(it.options[it.answer]) - 1).astype(np.uint8)) + b"\n"
+            for k in range(4)
+        ), it.answer)
+        for it in data.choice_items(16, cfg.seq, seed=2)
+    ]
+    for ranking in ("sum", "per_byte"):
+        assert model.make_choice_accuracy(cfg, items=items, ranking=ranking)(params) >= 0.9
+    assert 0.0 <= model.make_choice_accuracy(cfg, count=16)(params) <= 1.0
+
+
+def test_choice_scorer_sums_the_log_likelihood_of_the_option_bytes():
+    cfg = model.ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq=64)
+    params = model.init_params(cfg, jax.random.PRNGKey(3))
+    items = data.choice_items(1, cfg.seq, seed=5)
+    x, y, mask, _ = data.choice_arrays(items, cfg.seq)
+    summed, per_byte = model.make_choice_scorer(cfg)(params, x, y, mask)
+    for r, (item, option) in enumerate((it, o) for it in items for o in it.options):
+        full = np.frombuffer(item.context + option, np.uint8).astype(np.int32)
+        logits, _ = model.forward(params, full[None, :-1], cfg)  # unpadded: padding must change nothing
+        logp = np.asarray(jax.nn.log_softmax(logits[0]))[np.arange(full.size - 1), full[1:]]
+        expected = logp[len(item.context) - 1 :].sum()
+        assert float(summed[r]) == pytest.approx(expected, rel=1e-4, abs=1e-3)
+        assert float(per_byte[r]) == pytest.approx(expected / len(option), rel=1e-4, abs=1e-3)
+    with pytest.raises(ValueError, match="ranking"):
+        model.make_choice_accuracy(cfg, count=2, ranking="best")
 
 
 def test_default_size_and_names_for_the_sync_hook():
