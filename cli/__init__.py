@@ -21,7 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ddiloco.cli.demo", "the chaos demo: a syncer and learners surviving kills (needs the learner extra)"),
     "learner": ("ddiloco.cli.learner", "run one learner of the reference model (needs the learner extra)"),
     "bench": ("ddiloco.cli.bench", "run a benchmark and print its table"),
+    "replay": ("ddiloco.cli.replay", "replay a syncer's event tape and check it reproduces the run bit for bit"),
     "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),
+    "chaos-sim": ("ddiloco.cli.chaos_sim", "deterministic simulation test of the syncer under faults drawn from seeds"),
+    "experiment": ("ddiloco.cli.experiment", "the paper's experiments in one process on a virtual clock (needs the learner extra)"),
 }
 
 

@@ -10,16 +10,18 @@ client's own thread; a syncer that is down only means no merges for a while.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from ddiloco.core import codec
 from ddiloco.core.layout import layout_from_description
+from ddiloco.learner import recovery
 from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
 from ddiloco.net import session
 from ddiloco.net.client import ClientConfig, ThreadedClient
+from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -32,27 +34,48 @@ class SyncConfig:
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
     welcome_timeout_s: float = 60.0
+    # Serve this learner's state to (re)joining peers (net.peer); None: do not serve.
+    peer: PeerConfig | None = None
+    recover_timeout_s: float = 60.0  # fetching a peer's snapshot, per peer tried
+    snapshot_bytes_max: int = 16 << 30  # the largest peer snapshot accepted
 
     def __post_init__(self) -> None:
         codec.parse_codec(self.codec)
+        if self.recover_timeout_s <= 0 or self.snapshot_bytes_max <= 0:
+            raise ValueError("recover_timeout_s and snapshot_bytes_max must be positive")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"alpha must lie in [0, 1), got {self.alpha}")
 
 
 class DilocoSync:
     """One learner's side of Decoupled DiLoCo. Construct with the initial parameters (they become
-    global state only if the syncer holds none and asks for them), then call `step` every step."""
+    global state only if the syncer holds none and asks for them), then call `step` every step.
 
-    def __init__(self, params: Any, config: SyncConfig, is_embedding: Callable[[str], bool] = default_is_embedding):
+    `transport` is how it reaches the syncer: by default a `ThreadedClient` to `config.url`. Any
+    object with the same non-blocking methods works (`wait_welcome`, `progress`, `push`, `init`,
+    `take`, `close`, the `refused` attribute); `learner.experiment` passes an in-process one that
+    feeds the syncer core on a virtual clock."""
+
+    def __init__(
+        self, params: Any, config: SyncConfig, is_embedding: Callable[[str], bool] = default_is_embedding,
+        transport: Any = None,
+    ):
         self.config = config
-        self.client = ThreadedClient(
-            ClientConfig(url=config.url, name=config.name, tensors=tensor_specs(params, is_embedding), token=config.token)
-        )
+        self.snapshots = SnapshotBox()
+        self.peer_server = None
+        if config.peer is not None and transport is None:
+            self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
+        peer_url = self.peer_server.url if self.peer_server else ""
         try:
+            self.client = transport if transport is not None else ThreadedClient(
+                ClientConfig(url=config.url, name=config.name, tensors=tensor_specs(params, is_embedding), token=config.token,
+                             peer_url=peer_url)
+            )
             welcome = self.client.wait_welcome(config.welcome_timeout_s)
         except BaseException:
-            self.client.close()
+            self.close()
             raise
+        self.welcome = welcome
         self.learner_id = welcome.learner
         self.layout = layout_from_description(welcome.layout)
         self.tree = TreeFragments(params, self.layout, is_embedding)
@@ -64,6 +87,7 @@ class DilocoSync:
         self.tokens = [0] * p
         self.merged_versions_applied = 0
         self.welcomes_seen = 1
+        self.recovered_from, self.recovery_s = "init" if welcome.needs_init else "syncer", 0.0
         if welcome.needs_init:
             self._send_init(params)
 
@@ -90,8 +114,28 @@ class DilocoSync:
         else:
             log.info("rejoined the syncer as learner %d", self.learner_id)
 
-    def step(self, params: Any, tokens: int) -> Any:
-        """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied."""
+    def recover(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """Call once after construction, before the first step: (params, opt_state) copied from a
+        healthy peer that holds the syncer's current versions, or the arguments unchanged (the
+        syncer's fragments then arrive and overwrite every parameter). `recovered_from` says which."""
+        if self.welcome.needs_init or any(v >= 0 for v in self.versions):
+            self.recovered_from = "init"
+            return params, opt_state
+        got = recovery.recover(
+            self.welcome, params, opt_state, self.config.token, self.config.recover_timeout_s, self.config.snapshot_bytes_max
+        )
+        self.recovered_from, self.recovery_s = got.source, got.seconds
+        if got.versions:
+            self.step_count = got.step
+            self.versions = list(got.versions)
+            # The base is the copied parameters, not the peer's base: the outer gradient this
+            # learner pushes then holds its own progress only, not a second copy of the peer's.
+            self.base = [self.tree.gather(got.params, q) for q in range(self.layout.num_fragments)]
+        return got.params, got.opt_state
+
+    def step(self, params: Any, tokens: int, opt_state: Any = None) -> Any:
+        """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied.
+        Give `opt_state` to let (re)joining peers copy the optimizer state too."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.step_count += 1
@@ -114,6 +158,8 @@ class DilocoSync:
         self.client.progress(
             session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
         )
+        if self.snapshots.wanted:  # a peer asked; the end of a step is a consistent point to copy
+            self.snapshots.publish(recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest))
         return params
 
     def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
@@ -137,4 +183,7 @@ class DilocoSync:
         )
 
     def close(self) -> None:
-        self.client.close()
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+        if self.peer_server is not None:
+            self.peer_server.close()
