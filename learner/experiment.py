@@ -172,8 +172,7 @@ class _Learner:
         self.params = initial_params(cfg.model, cfg.seed)
         self.opt_state = run.tx.init(self.params)
         self.stream = learner_stream(cfg.model, cfg.batch, cfg.seed, index, len(cfg.learners))
-        feedback = cfg.codec if cfg.error_feedback else None
-        self.transport = InProcessTransport(run.hub, f"learner-{index}", run.tensors, feedback, cfg.syncer.block)
+        self.transport = InProcessTransport(run.hub, f"learner-{index}", run.tensors)
         self.sync: DilocoSync | None = None
         self.down = False
         self.gone = False
@@ -186,8 +185,10 @@ class _Learner:
         return base * float(np.exp(self.rng.normal(0.0, noise) - noise * noise / 2)) if noise else base
 
     def build_hook(self) -> None:
-        codec = "fp32" if self.run.cfg.error_feedback else self.run.cfg.codec
-        sync_cfg = SyncConfig(url="ws://in-process/ws", name=f"learner-{self.index}", codec=codec)
+        sync_cfg = SyncConfig(
+            url="ws://in-process/ws", name=f"learner-{self.index}", codec=self.run.cfg.codec,
+            error_feedback=self.run.cfg.error_feedback,
+        )
         self.sync = DilocoSync(self.params, sync_cfg, transport=self.transport)
         self.transport.flush()  # the initial parameters, when this learner was asked for them
 

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
-from ddiloco.core import codec as codecs
 from ddiloco.core import syncer as core
 from ddiloco.core.events import (
     ArmTimer,
@@ -243,7 +241,7 @@ class InProcessTransport:
     connection before that connection's welcome, and progress goes before bulk payloads; the
     runner calls `flush` after each hook call, which is when the client's writer would run."""
 
-    def __init__(self, hub: Hub, name: str, tensors: tuple, error_feedback: str | None = None, block: int = 128):
+    def __init__(self, hub: Hub, name: str, tensors: tuple):
         self.hub = hub
         self._client = SyncerClient(ClientConfig(url="ws://in-process/ws", name=name, tensors=tensors))
         self._ids = itertools.count(1)
@@ -251,9 +249,6 @@ class InProcessTransport:
         self._welcomed = False  # on the current connection
         self._progress: list = []
         self._bulk: list = []
-        self._feedback = error_feedback  # codec to re-encode fp32 pushes into, keeping the residual
-        self._residual: dict[int, np.ndarray] = {}
-        self._block = block
         self.step = 0  # the learner's step, set by the runner before each hook call
         self.bytes_up = 0
         self.push_log: list[tuple[int, int]] = []  # (learner step, bytes) of every push sent
@@ -324,7 +319,7 @@ class InProcessTransport:
         self._check()
         if sum(isinstance(b, session.PushInfo) for b in self._bulk) >= PUSHES_QUEUED_MAX:
             return  # as the client: a full push queue refuses, the next round asks again
-        self._bulk.append(self._with_feedback(item) if self._feedback else item)
+        self._bulk.append(item)
 
     def init(self, fragment: int, payload: bytes) -> None:
         self._check()
@@ -345,12 +340,3 @@ class InProcessTransport:
     def _check(self) -> None:
         if self.refused is not None:
             raise self.refused
-
-    def _with_feedback(self, item: session.PushInfo) -> session.PushInfo:
-        """Error feedback (ours): send Q(v + r) and keep r <- v + r - decode(Q(v + r)) for next time."""
-        v = codecs.parse(item.payload).decode()
-        r = self._residual.get(item.fragment)
-        corrected = v if r is None else v + r
-        payload = codecs.encode(corrected, self._feedback, self._block)
-        self._residual[item.fragment] = corrected - codecs.parse(payload).decode()
-        return session.PushInfo(item.fragment, item.round, item.base_version, item.steps, item.tokens, payload)

@@ -33,6 +33,9 @@ class SyncConfig:
     token: str | None = None
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
+    # Error feedback (ours, core.codec): what compression lost from an outer gradient is added to the
+    # next one of the same fragment; reset when the learner rejoins.
+    error_feedback: bool = False
     welcome_timeout_s: float = 60.0
     # Serve this learner's state to (re)joining peers (net.peer); None: do not serve.
     peer: PeerConfig | None = None
@@ -45,6 +48,8 @@ class SyncConfig:
             raise ValueError("recover_timeout_s and snapshot_bytes_max must be positive")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"alpha must lie in [0, 1), got {self.alpha}")
+        if self.error_feedback and codec.parse_codec(self.codec) is codec.Codec.FP32:
+            raise ValueError("error feedback needs a lossy codec (fp32 loses nothing)")
 
 
 class DilocoSync:
@@ -85,6 +90,7 @@ class DilocoSync:
         self.base: list[np.ndarray | None] = [None] * p  # the version of each fragment last received
         self.steps = [0] * p
         self.tokens = [0] * p
+        self.feedback: list[codec.FeedbackState | None] = [None] * p
         self.merged_versions_applied = 0
         self.welcomes_seen = 1
         self.recovered_from, self.recovery_s = "init" if welcome.needs_init else "syncer", 0.0
@@ -109,6 +115,7 @@ class DilocoSync:
         self.base = [None] * self.layout.num_fragments
         self.steps = [0] * self.layout.num_fragments
         self.tokens = [0] * self.layout.num_fragments
+        self.feedback = [None] * self.layout.num_fragments
         if welcome.needs_init:
             self._send_init(params)
         else:
@@ -177,7 +184,11 @@ class DilocoSync:
         if self.base[req.fragment] is None or req.base_version != self.versions[req.fragment]:
             return
         delta = self.base[req.fragment] - self.tree.gather(params, req.fragment)
-        payload = codec.encode(delta, self.config.codec, self.layout.block)
+        if self.config.error_feedback:
+            state = self.feedback[req.fragment] or codec.feedback_init(delta.size)
+            payload, self.feedback[req.fragment] = codec.encode_with_feedback(delta, state, self.config.codec, self.layout.block)
+        else:
+            payload = codec.encode(delta, self.config.codec, self.layout.block)
         self.client.push(
             session.PushInfo(req.fragment, req.round, req.base_version, self.steps[req.fragment], self.tokens[req.fragment], payload)
         )

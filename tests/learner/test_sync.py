@@ -124,3 +124,9 @@ def test_wrong_token_is_a_clear_error():
             DilocoSync(model(0), SyncConfig(url=s.url, name="x", token="wrong-token-0123456789"))
     finally:
         s.stop()
+
+
+def test_error_feedback_needs_a_lossy_codec():
+    with pytest.raises(ValueError, match="lossy codec"):
+        SyncConfig(url="ws://127.0.0.1:1/ws", name="x", codec="fp32", error_feedback=True)
+    assert SyncConfig(url="ws://127.0.0.1:1/ws", name="x", codec="int4", error_feedback=True).error_feedback
