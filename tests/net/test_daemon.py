@@ -196,7 +196,7 @@ async def raw_socket(s):
 async def next_error(ws):
     reassembler = wire.Reassembler(SMALL)
     while True:
-        m = await asyncio.wait_for(ws.receive(), 5)
+        m = await asyncio.wait_for(ws.receive(), 20)
         assert m.type is aiohttp.WSMsgType.BINARY, m
         message = reassembler.feed(m.data)
         if isinstance(message, msg.Error):
@@ -210,8 +210,8 @@ async def next_error(ws):
 async def test_garbage_frames_get_an_error_frame_and_touch_nothing(tmp_path, garbage):
     s = Syncer(tmp_path)
     await s.start()
-    a, b = await two_learners(s)
-    await train(s.server, [a, b], 4)
+    # Garbage first, while nothing else moves the state (learners' reports and grace timers in
+    # flight would change the hash on their own); then learners show the daemon still serves.
     before = syncer.state_hash(s.server.state)
     http, ws = await raw_socket(s)
     await ws.send_bytes(garbage)
@@ -221,7 +221,8 @@ async def test_garbage_frames_get_an_error_frame_and_touch_nothing(tmp_path, gar
     await http.close()
     assert syncer.state_hash(s.server.state) == before
     assert sum(s.server.metrics.wire_errors.values()) >= 1
-    await train(s.server, [a, b], 4)  # the daemon is still serving
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 8)
     await until(lambda: s.server.state.merges > 0, what="merges after garbage")
     await a.stop()
     await b.stop()
@@ -410,7 +411,10 @@ async def test_threaded_client_drops_what_was_made_before_the_caller_saw_a_new_w
         conn = next(iter(s.server._conns.values()))
         await s.server._close(conn, "test: drop the connection")
         await until(lambda: 2 in s.server.state.learners, what="rejoined as learner 2")
-        tc.progress(session.ProgressInfo(5, (0, 0), (5, 5), (50, 50)))  # made in session 1: dropped
+        await until(lambda: tc.client.inbox.welcomes == 2, what="the client holds the second welcome")
+        # Made in session 1, so dropped: were it sent, learner 2 would be at step 100 and the report
+        # of step 6 below would be ignored as an older one.
+        tc.progress(session.ProgressInfo(100, (0, 0), (100, 100), (1000, 1000)))
         _, _, _, (welcomes, welcome) = await loop.run_in_executor(None, tc.take)
         assert welcomes == 2 and welcome.learner == 2
         tc.progress(session.ProgressInfo(6, (0, 0), (1, 1), (10, 10)))  # made in session 2: sent
