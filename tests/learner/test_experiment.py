@@ -1,9 +1,7 @@
 """The in-process experiment runner: deterministic by seed, the same merges as the real daemon, faults
 and late joiners handled by the real core, and `ddiloco experiment` end to end at a tiny size."""
 
-import asyncio
 import json
-import threading
 import time
 from dataclasses import replace
 
@@ -18,7 +16,6 @@ from ddiloco.learner import experiments
 from ddiloco.learner import model as reference
 from ddiloco.learner.experiments import outage_schedule
 from ddiloco.learner.sync import DilocoSync, SyncConfig
-from ddiloco.net.server import ServerConfig, SyncerServer
 
 TINY = reference.ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq=32)  # seq >= 28: the choice eval
 TOKEN = "experiment-test-token-0123456789"
@@ -45,31 +42,6 @@ def test_a_run_is_deterministic_by_seed():
     other = ex.run(config(seed=4, learners=3, step_noise=0.2))
     assert other.state_hash != a.state_hash
     assert a.ledger["reported"] == sum(a.ledger[k] for k in ("merged", "late", "stale", "rejected", "lost", "open"))
-
-
-class _ThreadedDaemon:
-    """The real aiohttp daemon on 127.0.0.1, port 0, on its own loop in a thread."""
-
-    def __init__(self, cfg: SyncerConfig):
-        self.loop = asyncio.new_event_loop()
-        self.server = SyncerServer(syncer.new_state(cfg), ServerConfig(port=0, auth_token=TOKEN))
-        ready = threading.Event()
-
-        def main_loop():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main_loop, daemon=True)
-        self.thread.start()
-        assert ready.wait(30)
-        self.url = f"ws://127.0.0.1:{self.server.port}/ws"
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(checkpoint=False), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
 
 
 class _Recorded:
@@ -128,7 +100,7 @@ def _wait_settled(state, syncs, step, timeout_s=30.0):
         time.sleep(0.002)
 
 
-def test_runner_and_daemon_give_the_same_merges():
+def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
     """Lockstep learners and K = M (a round closes when all delivered) force one event order; the
     runner and the real daemon with real clients must then reach the same syncer state bit for bit."""
     steps, m = 16, 2
@@ -136,7 +108,7 @@ def test_runner_and_daemon_give_the_same_merges():
     ours = ex.run(cfg, settle=True)
     assert ours.merges >= 4
 
-    daemon = _ThreadedDaemon(cfg.syncer)
+    daemon = threaded_syncer(cfg.syncer, token=TOKEN)
     syncs = []
     try:
         tx, train_step, _ = ex.programs(TINY, cfg.schedule_steps())

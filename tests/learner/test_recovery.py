@@ -1,6 +1,5 @@
 """A learner that is killed rejoins from a live peer (real syncer, real learner processes, 127.0.0.1)."""
 
-import asyncio
 import multiprocessing
 import os
 import signal
@@ -12,8 +11,6 @@ import numpy as np
 import optax
 import pytest
 
-from ddiloco.core import syncer
-from ddiloco.core.config import SyncerConfig
 from ddiloco.core.syncer import LearnerStatus
 from ddiloco.learner import data
 from ddiloco.learner import model as reference
@@ -22,52 +19,11 @@ from ddiloco.learner.run import LearnerConfig, run_learner
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.net import peer
 from ddiloco.net.peer import PeerConfig
-from ddiloco.net.server import ServerConfig, SyncerServer
 
 TOKEN = "recovery-test-token-0123456789"
 MODEL = reference.ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq=16)
 TRAIN = reference.TrainConfig(lr=1e-3, warmup_steps=2, total_steps=100_000)
 DEADLINE_S = 120
-
-
-class ThreadedSyncer:
-    """The real daemon on its own loop in a thread."""
-
-    def __init__(self, **cfg):
-        self.loop = asyncio.new_event_loop()
-        self.server = SyncerServer(syncer.new_state(SyncerConfig(**cfg)), ServerConfig(port=0, auth_token=TOKEN))
-        ready = threading.Event()
-
-        def main():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        assert ready.wait(30)
-        self.url = f"ws://127.0.0.1:{self.server.port}/ws"
-
-    def read(self, fn):
-        """fn(state), run on the syncer's loop so it sees a consistent state."""
-        async def call():
-            return fn(self.server.state)
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(30)
-
-    def wait_for(self, what, fn):
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
-            got = self.read(fn)
-            if got:
-                return got
-            time.sleep(0.05)
-        raise AssertionError(f"syncer: no {what} within {DEADLINE_S} s")
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(checkpoint=False), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
 
 
 def live(name):
@@ -123,8 +79,8 @@ class PeerLearner:
         assert self.error is None, self.error
 
 
-def test_a_killed_learner_rejoins_from_a_live_peer():
-    hub = ThreadedSyncer(num_fragments=2, period=2, block=64)
+def test_a_killed_learner_rejoins_from_a_live_peer(threaded_syncer):
+    hub = threaded_syncer(num_fragments=2, period=2, block=64, token=TOKEN)
     killed = multiprocessing.get_context("spawn").Process(target=run_learner, args=(learner_config(hub.url, "b", 1),), daemon=True)
     a = sync = None
     try:
@@ -167,8 +123,8 @@ def test_a_killed_learner_rejoins_from_a_live_peer():
         hub.stop()
 
 
-def test_no_reachable_peer_falls_back_to_the_syncer():
-    hub = ThreadedSyncer(num_fragments=2, period=2, block=64)
+def test_no_reachable_peer_falls_back_to_the_syncer(threaded_syncer):
+    hub = threaded_syncer(num_fragments=2, period=2, block=64, token=TOKEN)
     first = second = None
     try:
         params, opt_state = fresh_state(1)

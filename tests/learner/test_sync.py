@@ -1,7 +1,5 @@
 """The learner hook with a real syncer on 127.0.0.1: JAX pytrees in, fragments over real sockets."""
 
-import asyncio
-import threading
 import time
 
 import jax.numpy as jnp
@@ -9,11 +7,9 @@ import numpy as np
 import pytest
 
 from ddiloco.core import syncer
-from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import LayoutError, build_layout
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tree import TreeFragments, tensor_specs
-from ddiloco.net.server import ServerConfig, SyncerServer
 
 TOKEN = "learner-test-token-0123456789"
 
@@ -47,32 +43,6 @@ def test_tree_round_trip_and_layout_check():
         TreeFragments(other, layout)
 
 
-class ThreadedSyncer:
-    """The real daemon on its own loop in a thread, as it runs beside a training process."""
-
-    def __init__(self, **cfg):
-        self.loop = asyncio.new_event_loop()
-        state = syncer.new_state(SyncerConfig(**cfg))
-        self.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN))
-        ready = threading.Event()
-
-        def main():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        assert ready.wait(30)
-        self.url = f"ws://127.0.0.1:{self.server.port}/ws"
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(checkpoint=False), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-
-
 def inner_step(params, target, lr=0.2):
     """A stand-in for an AdamW step: pull every leaf towards this learner's own target."""
     return {
@@ -89,8 +59,8 @@ def train(learners, steps, pause_s=0.01):
         time.sleep(pause_s)
 
 
-def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer():
-    s = ThreadedSyncer(num_fragments=2, period=2, quorum=1)
+def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_syncer):
+    s = threaded_syncer(num_fragments=2, period=2, quorum=1, token=TOKEN)
     try:
         a = {"params": model(1), "target": model(10)}
         a["sync"] = DilocoSync(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
@@ -122,8 +92,8 @@ def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer():
         s.stop()
 
 
-def test_wrong_token_is_a_clear_error():
-    s = ThreadedSyncer()
+def test_wrong_token_is_a_clear_error(threaded_syncer):
+    s = threaded_syncer(token=TOKEN)
     try:
         with pytest.raises(Exception, match="refused the token"):
             DilocoSync(model(0), SyncConfig(url=s.url, name="x", token="wrong-token-0123456789"))
