@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="< 1 makes this learner slower")
     p.add_argument("--log-file", type=Path, help="append JSON lines of progress here")
     p.add_argument("--cache-dir", type=Path, help="JAX persistent compilation cache")
+    p.add_argument("--record", type=Path, metavar="DIR", help="write this learner's tape to DIR (a new directory)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,12 +49,14 @@ def run(args: argparse.Namespace) -> int:
         speed=args.speed,
         log_file=args.log_file,
         cache_dir=args.cache_dir,
+        record=args.record,
     )
+    from ddiloco.core.tape import TapeError
     from ddiloco.net.client import SyncerRefused
 
     try:
         summary = run_learner(cfg)
-    except (SyncerRefused, TimeoutError) as exc:  # wrong URL or token, a layout or protocol refused
+    except (SyncerRefused, TimeoutError, TapeError) as exc:  # wrong URL or token, a layout or protocol refused, --record
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary))

@@ -5,6 +5,10 @@ event. Exit status 0 when every recorded fragment version (and, at a clean end, 
 hash) is reproduced, 1 on a divergence, 2 when the tape cannot be used (corrupt, or recorded
 without payloads). A torn tail (a syncer killed mid-write) is cut from what is read, with a note;
 the file itself is left as it is.
+
+`ddiloco replay DIR --full` takes a whole run recorded by `ddiloco demo --record DIR`: it trains
+every learner again in this process, following its tape, and replays the syncer's tape(s) with the
+pushes the learners made again (learner.replay). Same exit statuses.
 """
 
 from __future__ import annotations
@@ -16,39 +20,81 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("tape_dir", type=Path, metavar="TAPE_DIR", help="a directory written by `ddiloco syncer --record`")
+    p.add_argument("tape_dir", type=Path, metavar="TAPE_DIR",
+                   help="a directory written by `ddiloco syncer --record` (or by `ddiloco demo --record` with --full)")
+    p.add_argument("--full", action="store_true",
+                   help="re-execute the learners of a recorded demo too and reproduce the final merged parameters")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON to PATH")
 
 
 def run(args: argparse.Namespace) -> int:
     import orjson
-    from ddiloco.core import replay, tape
+    from ddiloco.core import tape
 
     started = time.perf_counter()
     try:
-        recorded = tape.read(args.tape_dir)
-        result = replay.replay(recorded)
-    except tape.TapeError as exc:
+        doc = _full(args) if args.full else _syncer_only(args)
+    except (tape.TapeError, ValueError) as exc:
         print(f"ddiloco replay: bad tape: {exc}", file=sys.stderr)
         return 2
-    seconds = time.perf_counter() - started
-    if result.torn:
-        print(f"warning: {result.torn}", file=sys.stderr)
-    print(f"events replayed  {result.events}")
-    print(f"merges checked   {result.merges_checked}")
-    final = "checked" if result.final_checked else "not checked: no close record, the run did not end cleanly"
-    print(f"final state hash {result.state_hash[:16]} ({final})")
-    print(f"time             {seconds:.3f} s")
-    print("OK: bit-identical" if result.ok else f"DIVERGED at {result.divergence}")
+    doc["seconds"] = time.perf_counter() - started
+    print(f"time             {doc['seconds']:.3f} s")
+    print("OK: bit-identical" if doc["ok"] else f"DIVERGED at {doc['divergence_text']}")
     if args.json is not None:
-        doc = {
-            "ok": result.ok, "events": result.events, "merges_checked": result.merges_checked,
-            "final_checked": result.final_checked, "state_hash": result.state_hash, "seconds": seconds,
-            "torn": result.torn,
-            "divergence": None if result.ok else {
-                "index": result.divergence.index, "event": result.divergence.event, "what": result.divergence.what,
-                "expected": result.divergence.expected, "got": result.divergence.got,
-            },
-        }
         args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    return 0 if result.ok else 1
+    return 0 if doc["ok"] else 1
+
+
+def _result_json(result) -> dict:
+    d = result.divergence
+    return {
+        "ok": result.ok, "events": result.events, "merges_checked": result.merges_checked,
+        "final_checked": result.final_checked, "state_hash": result.state_hash, "torn": result.torn,
+        "divergence": None if d is None else {"index": d.index, "event": d.event, "what": d.what,
+                                              "expected": d.expected, "got": d.got},
+    }
+
+
+def _print_syncer(result, name: str = "") -> None:
+    prefix = f"{name}: " if name else ""
+    if result.torn:
+        print(f"warning: {prefix}{result.torn}", file=sys.stderr)
+    print(f"{prefix}events replayed  {result.events}")
+    print(f"{prefix}merges checked   {result.merges_checked}")
+    final = "checked" if result.final_checked else "not checked: no close record, the run did not end cleanly"
+    print(f"{prefix}final state hash {result.state_hash[:16]} ({final})")
+
+
+def _syncer_only(args: argparse.Namespace) -> dict:
+    from ddiloco.core import replay, tape
+
+    result = replay.replay(tape.read(args.tape_dir))
+    _print_syncer(result)
+    return {**_result_json(result), "divergence_text": str(result.divergence)}
+
+
+def _full(args: argparse.Namespace) -> dict:
+    from ddiloco.cli import require_learner_extra
+
+    require_learner_extra()
+    import logging
+
+    from ddiloco.learner import replay as full
+
+    # The learners' own log lines (late pushes, rejoins) were said in the recorded run already.
+    logging.getLogger("ddiloco.learner").setLevel(logging.ERROR)
+
+    result = full.replay_full(args.tape_dir, cache_dir=args.tape_dir / "jax-cache")
+    for r in result.learners:
+        end = "final parameters checked" if r.final_checked else "killed: no final parameters to check"
+        print(f"learner {r.name}: {r.calls} calls, {r.pushes} pushes, {r.inits} initial fragments, "
+              f"{r.published} snapshots for peers; {end}" + (f"; DIVERGED: {r.divergence}" if r.divergence else ""))
+    for name, s in result.syncers:
+        _print_syncer(s, name)
+    print(f"fragment versions applied by learners, found in the syncer's replay: {result.updates_checked}"
+          + (f" ({result.updates_note})" if result.updates_note else ""))
+    return {
+        "ok": result.ok, "full": True, "state_hash": result.state_hash, "divergence_text": result.divergence,
+        "learners": [vars(r) for r in result.learners], "syncers": {n: _result_json(s) for n, s in result.syncers},
+        "updates_checked": result.updates_checked,
+    }

@@ -98,8 +98,9 @@ class TapeOptions:
 # ---- writing ----------------------------------------------------------------------------------------
 
 
-class TapeWriter:
-    """Appends records to a new tape. Not thread-safe: the syncer's core thread owns it."""
+class RecordWriter:
+    """Framed JSON records appended to one new file, payloads in a content-addressed store beside
+    it (the syncer's tape, and a learner's: `learner.tape`). Not thread-safe: one thread owns it."""
 
     def __init__(self, directory: Path, fh, options: TapeOptions):
         self.directory = directory
@@ -109,26 +110,86 @@ class TapeWriter:
         self._since_sync = (0, 0)  # records, bytes
         self._unsynced_payloads: list[Path] = []
 
+    def abandon(self) -> None:
+        """Close the file without a close record (the run did not end cleanly)."""
+        if not self._fh.closed:
+            self.sync()
+            self._fh.close()
+
+    def sync(self) -> None:
+        for path in self._unsynced_payloads:
+            _fsync_path(path)
+        self._unsynced_payloads.clear()
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._since_sync = (0, 0)
+
+    def _value(self, value: Any) -> Any:
+        if isinstance(value, codecs.Encoded):
+            parts = payload_parts(value)
+            ref = {"codec": value.codec.value, "block": value.block, "elements": value.elements,
+                   "bytes": sum(p.nbytes for p in parts)}
+            ref["sha256"] = self._store(parts) if self.options.keep_payloads else _sha256(parts)
+            return {"$payload": ref}
+        if isinstance(value, TensorSpec):
+            return {"$tensor": [value.path, list(value.shape), value.dtype, value.embedding]}
+        if isinstance(value, (tuple, list)):
+            return [self._value(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): self._value(v) for k, v in value.items()}
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TapeError(f"cannot tape the non-finite value {value!r}")
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TapeError(f"cannot tape a value of type {type(value).__name__}")
+
+    def _store(self, parts: list) -> str:
+        """Write `parts` into the payload store under their sha256 (before any record names it)."""
+        sha = _sha256(parts)
+        final = self.directory / PAYLOAD_DIR / sha
+        if final.exists():
+            return sha
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size > PAYLOAD_BYTES_MAX:
+            raise TapeError(f"payload of {size} bytes is above the limit of {PAYLOAD_BYTES_MAX}")
+        tmp = final.with_name(f".{sha}.{os.getpid()}.tmp")  # writers in other processes may race
+        try:
+            with open(tmp, "wb") as fh:
+                fh.writelines(parts)
+            os.replace(tmp, final)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise TapeError(f"cannot store payload {sha[:16]}: {exc.strerror or exc}") from exc
+        self._unsynced_payloads.append(final)
+        return sha
+
+    def _append(self, record: dict) -> None:
+        body = orjson.dumps(record)
+        if len(body) > self.options.record_bytes_max:
+            raise TapeError(f"{record['type']} record of {len(body)} bytes is above record_bytes_max={self.options.record_bytes_max}")
+        self._fh.write(_frame(body))
+        self._fh.write(body)
+        self._fh.flush()
+        records, nbytes = self._since_sync
+        self._since_sync = (records + 1, nbytes + _FRAME.size + len(body))
+        if self._since_sync[0] >= self.options.fsync_every_records or self._since_sync[1] >= self.options.fsync_every_bytes:
+            self.sync()
+
+
+class TapeWriter(RecordWriter):
+    """Appends records to a new syncer tape. The syncer's core thread owns it."""
+
     @classmethod
     def create(cls, directory: Path | str, state: SyncerState, source: str = "", options: TapeOptions = TapeOptions()) -> TapeWriter:
         """Start a tape for a syncer about to run from `state` (it must not have handled events yet
         for this run). `source` says where the state came from, for the header."""
         directory = Path(directory)
-        path = directory / TAPE_FILE
-        try:
-            (directory / PAYLOAD_DIR).mkdir(parents=True, exist_ok=True)
-            fh = open(path, "xb")  # never append to or overwrite another run's tape
-        except FileExistsError:
-            raise TapeError(f"{path} exists already: a tape records one run, pick a new directory") from None
-        except OSError as exc:
-            raise TapeError(f"cannot create tape {path}: {exc.strerror or exc}") from exc
-        writer = cls(directory, fh, options)
+        writer = cls(directory, open_record_file(directory, TAPE_FILE, MAGIC), options)
         start: dict[str, Any] = {"kind": "empty", "source": source}
         if state.holds_parameters:
             chunks = checkpoint.to_chunks(state)
             sha = writer._store(chunks)
             start = {"kind": "checkpoint", "source": source, "sha256": sha, "state_hash": state_hash(state)}
-        fh.write(_PREAMBLE.pack(MAGIC, FORMAT, 0))
         writer._append({"type": "header", "format": FORMAT, "config": state.config.to_dict(), "start": start,
                         "keep_payloads": options.keep_payloads})
         writer.sync()
@@ -157,70 +218,19 @@ class TapeWriter:
         self.sync()
         self._fh.close()
 
-    def abandon(self) -> None:
-        """Close the file without a close record (the run did not end cleanly)."""
-        if not self._fh.closed:
-            self.sync()
-            self._fh.close()
 
-    def sync(self) -> None:
-        for path in self._unsynced_payloads:
-            _fsync_path(path)
-        self._unsynced_payloads.clear()
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._since_sync = (0, 0)
-
-    def _value(self, value: Any) -> Any:
-        if isinstance(value, codecs.Encoded):
-            parts = _payload_parts(value)
-            ref = {"codec": value.codec.value, "block": value.block, "elements": value.elements,
-                   "bytes": sum(p.nbytes for p in parts)}
-            ref["sha256"] = self._store(parts) if self.options.keep_payloads else _sha256(parts)
-            return {"$payload": ref}
-        if isinstance(value, TensorSpec):
-            return {"$tensor": [value.path, list(value.shape), value.dtype, value.embedding]}
-        if isinstance(value, (tuple, list)):
-            return [self._value(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): self._value(v) for k, v in value.items()}
-        if isinstance(value, float) and not math.isfinite(value):
-            raise TapeError(f"cannot tape the non-finite value {value!r}")
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise TapeError(f"cannot tape a value of type {type(value).__name__}")
-
-    def _store(self, parts: list) -> str:
-        """Write `parts` into the payload store under their sha256 (before any record names it)."""
-        sha = _sha256(parts)
-        final = self.directory / PAYLOAD_DIR / sha
-        if final.exists():
-            return sha
-        size = sum(memoryview(p).nbytes for p in parts)
-        if size > PAYLOAD_BYTES_MAX:
-            raise TapeError(f"payload of {size} bytes is above the limit of {PAYLOAD_BYTES_MAX}")
-        tmp = final.with_name(f".{sha}.tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.writelines(parts)
-            os.replace(tmp, final)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise TapeError(f"cannot store payload {sha[:16]}: {exc.strerror or exc}") from exc
-        self._unsynced_payloads.append(final)
-        return sha
-
-    def _append(self, record: dict) -> None:
-        body = orjson.dumps(record)
-        if len(body) > self.options.record_bytes_max:
-            raise TapeError(f"{record['type']} record of {len(body)} bytes is above record_bytes_max={self.options.record_bytes_max}")
-        self._fh.write(_frame(body))
-        self._fh.write(body)
-        self._fh.flush()
-        records, nbytes = self._since_sync
-        self._since_sync = (records + 1, nbytes + _FRAME.size + len(body))
-        if self._since_sync[0] >= self.options.fsync_every_records or self._since_sync[1] >= self.options.fsync_every_bytes:
-            self.sync()
+def open_record_file(directory: Path, name: str, magic: bytes) -> Any:
+    """A new record file `name` in `directory` (and its payload store), its preamble written."""
+    path = directory / name
+    try:
+        (directory / PAYLOAD_DIR).mkdir(parents=True, exist_ok=True)
+        fh = open(path, "xb")  # never append to or overwrite another run's tape
+    except FileExistsError:
+        raise TapeError(f"{path} exists already: a tape records one run, pick a new directory") from None
+    except OSError as exc:
+        raise TapeError(f"cannot create tape {path}: {exc.strerror or exc}") from exc
+    fh.write(_PREAMBLE.pack(magic, FORMAT, 0))
+    return fh
 
 
 def merge_check(index: int, state: SyncerState, fragment: int) -> dict:
@@ -235,7 +245,7 @@ def _frame(body: bytes) -> bytes:
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def _payload_parts(enc: codecs.Encoded) -> list[memoryview]:
+def payload_parts(enc: codecs.Encoded) -> list[memoryview]:
     """The payload's body in the codec's own order (scales, then codes), as `from_body` takes it."""
     parts = [] if enc.scales is None else [memoryview(np.ascontiguousarray(enc.scales)).cast("B")]
     return parts + [memoryview(np.ascontiguousarray(enc.data)).cast("B")]
@@ -267,6 +277,8 @@ class Tape:
     close: dict | None  # None when the run did not end cleanly
     torn: str | None  # what was cut from the tail, if anything
     good_bytes: int  # where the last intact record ends
+    # Payload bodies by sha256 that take the place of the store (bytes a full replay regenerated).
+    payloads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def events(self) -> list[dict]:
@@ -278,6 +290,23 @@ def read(directory: Path | str, *, cut: bool = False) -> Tape:
     corruption anywhere else raises TapeError naming the offset."""
     directory = Path(directory)
     path = directory / TAPE_FILE
+    bodies, good, torn = read_record_file(path, MAGIC, cut=cut)
+    records = []
+    for offset, record in bodies:
+        _check_record(record, offset, sum(1 for r in records if r["type"] == "event"))
+        records.append(record)
+    if not records or records[0]["type"] != "header":
+        raise TapeError(f"{path} has no header record" + (f" ({torn})" if torn else ""))
+    header, rest = records[0], records[1:]
+    close = rest.pop() if rest and rest[-1]["type"] == "close" else None
+    if any(r["type"] in ("header", "close") for r in rest):
+        raise TapeError(f"{path}: a header or close record in the middle of the tape")
+    return Tape(directory, header, rest, close, torn, good)
+
+
+def read_record_file(path: Path, magic: bytes, *, cut: bool = False) -> tuple[list[tuple[int, dict]], int, str | None]:
+    """(offset, JSON record) of every intact record of a file written by `RecordWriter`, where
+    they end, and the torn-tail note (the tail truncated from the file when `cut`)."""
     try:
         size = path.stat().st_size
         if size > TAPE_BYTES_MAX:
@@ -287,9 +316,9 @@ def read(directory: Path | str, *, cut: bool = False) -> Tape:
         raise TapeError(f"cannot read tape {path}: {exc.strerror or exc}") from exc
     if len(data) < _PREAMBLE.size:
         raise TapeError(f"{path} is not a ddiloco tape: {len(data)} bytes, shorter than the preamble")
-    magic, fmt, reserved = _PREAMBLE.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise TapeError(f"{path} is not a ddiloco tape (magic {magic!r})")
+    found, fmt, reserved = _PREAMBLE.unpack_from(data, 0)
+    if found != magic:
+        raise TapeError(f"{path} is not a ddiloco tape of this kind (magic {found!r})")
     if fmt != FORMAT or reserved != 0:
         raise TapeError(f"{path} is tape format {fmt}; this version reads format {FORMAT}")
     bodies, good, torn = _frames(data, _PREAMBLE.size)
@@ -304,15 +333,10 @@ def read(directory: Path | str, *, cut: bool = False) -> Tape:
             record = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise TapeError(f"record at offset {offset} passes its checksum but is not JSON: {exc}") from exc
-        _check_record(record, offset, sum(1 for r in records if r["type"] == "event"))
-        records.append(record)
-    if not records or records[0]["type"] != "header":
-        raise TapeError(f"{path} has no header record" + (f" ({torn})" if torn else ""))
-    header, rest = records[0], records[1:]
-    close = rest.pop() if rest and rest[-1]["type"] == "close" else None
-    if any(r["type"] in ("header", "close") for r in rest):
-        raise TapeError(f"{path}: a header or close record in the middle of the tape")
-    return Tape(directory, header, rest, close, torn, good)
+        if not isinstance(record, dict):
+            raise TapeError(f"record at offset {offset} is not a JSON object")
+        records.append((offset, record))
+    return records, good, torn
 
 
 # The keys each record type must have, and their JSON types.
@@ -395,9 +419,16 @@ def _decoded(tape: Tape, record: dict, value: Any) -> Any:
 
 def _payload(tape: Tape, record: dict, ref: dict) -> codecs.Encoded:
     where = f"event {record.get('i')} ({record.get('kind')})"
-    if not tape.header.get("keep_payloads", True):
-        raise TapeError(f"{where}: this tape was recorded without payloads (hashes only) and cannot be replayed")
-    body = load_payload(tape.directory, ref["sha256"], where)
+    body = tape.payloads.get(ref["sha256"])  # regenerated by re-executing the learners (learner.replay)
+    if body is not None:
+        got = hashlib.sha256(body).hexdigest()
+        if got != ref["sha256"]:
+            raise PayloadMismatch(where, ref["sha256"], got)
+    elif not tape.header.get("keep_payloads", True):
+        raise TapeError(f"{where}: this tape was recorded without payloads (hashes only); "
+                        "only `ddiloco replay --full` of a whole recorded demo can regenerate them")
+    else:
+        body = load_payload(tape.directory, ref["sha256"], where)
     if len(body) != ref["bytes"]:
         raise TapeError(f"{where}: stored payload {ref['sha256'][:16]} has {len(body)} bytes, the record says {ref['bytes']}")
     try:

@@ -64,6 +64,9 @@ class DemoConfig:
     grace_ms_max: float = 1000.0
     grace_gamma: float = 0.5
     choice_items: int = reference.CHOICE_ITEMS  # multiple-choice items per evaluated model
+    # Record the whole run here for `ddiloco replay DIR --full`: the syncer's tape (push payloads by
+    # hash only: the replay regenerates them) and one tape per learner incarnation (learner.tape).
+    record: Path | None = None
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.steps < 10 or self.batch < 1:
@@ -188,7 +191,8 @@ class _Demo:
              "--token-file", str(self.token_file), "--shard", f"{lr.index}/{cfg.learners}", "--steps", str(cfg.steps),
              "--batch", str(cfg.batch), "--seed", str(cfg.seed * 1000 + lr.index * 10 + lr.restarts),
              "--speed", str(speed), "--model", cfg.model, "--name", f"learner-{lr.index}",
-             "--cache-dir", str(self.work / "jax-cache"), "--log-file", str(self.work / f"learner{lr.index}.jsonl")],
+             "--cache-dir", str(self.work / "jax-cache"), "--log-file", str(self.work / f"learner{lr.index}.jsonl"),
+             *(["--record", str(cfg.record / "learners" / f"learner-{lr.index}.{lr.restarts}")] if cfg.record else [])],
             stdout=subprocess.DEVNULL, stderr=log,
         )
         log.close()  # the child holds its own copy
@@ -306,6 +310,8 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
     work = Path(workdir or tempfile.mkdtemp(prefix="ddiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     plan = _chaos_plan(cfg, np.random.default_rng(cfg.seed)) if cfg.chaos else []
+    if cfg.record is not None:
+        _start_recording(cfg)
     view = make_view(out)
     demo = None
     merge_times: list[float] = []
@@ -375,6 +381,16 @@ def _report(cfg: DemoConfig, demo: _Demo, work: Path, merge_times: list[float], 
     )
 
 
+def _start_recording(cfg: DemoConfig) -> None:
+    """An empty recording directory, with run.json saying what was run (the tapes follow)."""
+    assert cfg.record is not None
+    if cfg.record.exists() and any(cfg.record.iterdir()):
+        raise ValueError(f"--record {cfg.record}: the directory is not empty (a recording holds one run)")
+    (cfg.record / "learners").mkdir(parents=True, exist_ok=True)
+    doc = {"format": 1, "what": "ddiloco demo", "config": asdict(cfg)}
+    (cfg.record / "run.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
 def _uptime(merge_times: list[float], trained_until: float, wall: float, cfg: DemoConfig) -> tuple[float, float]:
     """(uptime, longest gap in seconds). Counts from the first merge (before it the processes start
     and compile) until the last learner finished; a gap between merges longer than two fragment
@@ -412,6 +428,8 @@ def _start_syncer(cfg: DemoConfig, work: Path, token_file: Path, port: int, resu
         "--outer-momentum", str(cfg.outer_momentum), "--grace-max-ms", str(cfg.grace_ms_max),
         "--grace-gamma", str(cfg.grace_gamma), "--checkpoint-every-s", str(cfg.checkpoint_every_s),
     ]
+    if cfg.record is not None:
+        where += ["--record", str(cfg.record / ("syncer" if starts == 1 else f"syncer.{starts}")), "--record-no-payloads"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", str(port), "--auth-token-file", str(token_file), *where],
@@ -652,7 +670,10 @@ def report_text(r: DemoReport) -> str:
 
 
 def report_json(r: DemoReport) -> dict:
-    return asdict(r)
+    doc = asdict(r)
+    if doc["config"].get("record") is not None:
+        doc["config"]["record"] = str(doc["config"]["record"])
+    return doc
 
 
 def write_plot(r: DemoReport, path: Path) -> None:

@@ -16,13 +16,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
-
 from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.learner.tape import LearnerTapeWriter, config_json
 from ddiloco.net.peer import PeerConfig
 
 log = logging.getLogger("ddiloco.learner")
@@ -44,6 +45,7 @@ class LearnerConfig:
     log_file: Path | None = None  # JSON lines: step, loss, versions, tokens
     cache_dir: Path | None = None
     peer: PeerConfig | None = field(default_factory=PeerConfig)  # serve this learner's state to rejoining peers
+    record: Path | None = None  # write this learner's tape here (learner.tape), for `ddiloco replay --full`
 
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
@@ -60,15 +62,21 @@ def _stop_on_sigterm() -> list:
     return flag
 
 
-def run_learner(cfg: LearnerConfig) -> dict:
-    """Train until the step budget is spent; returns a small summary."""
+def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
+    """Train until the step budget is spent; returns a small summary. `replay` (learner.replay)
+    re-executes a recorded run instead: it stands in for the syncer and the peers, and says when the
+    recorded run stopped."""
     reference.enable_compilation_cache(cfg.cache_dir)
     params = reference.init_params(cfg.model, jax.random.PRNGKey(cfg.seed))
     tx = reference.make_optimizer(cfg.train)
     opt_state = tx.init(params)
     train_step = reference.make_train_step(cfg.model, tx)
     stream = data.batches(cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed))
-    sync = DilocoSync(params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec, peer=cfg.peer))
+    writer = LearnerTapeWriter.create(cfg.record, config_json(cfg)) if cfg.record is not None else None
+    sync = DilocoSync(
+        params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec, peer=cfg.peer), tape=writer,
+        **(replay.sync_arguments() if replay is not None else {}),
+    )
     joined = time.monotonic()
     # A (re)joining learner copies a healthy peer's parameters, AdamW state and step when it can.
     params, opt_state = sync.recover(params, opt_state)
@@ -78,7 +86,7 @@ def run_learner(cfg: LearnerConfig) -> dict:
     started, steps, ce = time.monotonic(), 0, float("nan")
     stop = _stop_on_sigterm()
     try:
-        while sync.step_count < cfg.steps_total and not stop:
+        while sync.step_count < cfg.steps_total and not stop and not (replay and replay.done(sync.calls)):
             t0 = time.perf_counter()
             x, y = next(stream)
             params, opt_state, ce_array = train_step(params, opt_state, x, y)
@@ -94,11 +102,30 @@ def run_learner(cfg: LearnerConfig) -> dict:
                     "t": round(time.monotonic() - started, 3), "learner": sync.learner_id, "step": sync.step_count,
                     "loss": ce, "versions": sync.versions, "applied": sync.merged_versions_applied,
                 }) + "\n")
+        if writer is not None:
+            writer.close(sync.calls, sync.step_count, sync.params_sha256(params))
     finally:
         sync.close()
+        if writer is not None:
+            writer.abandon()
         if log_fh:
             log_fh.close()
+    if replay is not None:
+        replay.finished(sync, params)
     return {"learner": sync.learner_id, "steps": steps, "last_step": sync.step_count, "loss": ce,
             "applied": sync.merged_versions_applied, "config": asdict(cfg)["name"],
             "recovered_from": sync.recovered_from, "recovery_s": round(sync.recovery_s, 3),
             "caught_up_s": None if caught_up_s is None else round(caught_up_s, 3)}
+
+
+def learner_config_from_json(d: dict) -> LearnerConfig:
+    """The `LearnerConfig` a learner tape's header holds (learner.tape.config_json), for a replay:
+    no token, no files, no peer server (the replay stands in for peers)."""
+    try:
+        return LearnerConfig(
+            syncer=d["syncer"], name=d["name"], shard=data.Shard(**d["shard"]), model=reference.ModelConfig(**d["model"]),
+            train=reference.TrainConfig(**d["train"]), batch=d["batch"], seed=d["seed"], codec=d["codec"],
+            steps_total=d["steps_total"], speed=d["speed"], peer=None,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the learner tape's configuration does not fit this version: {exc}") from exc

@@ -9,12 +9,13 @@ client's own thread; a syncer that is down only means no merges for a while.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-
 from ddiloco.core import codec
 from ddiloco.core.layout import layout_from_description
 from ddiloco.learner import recovery
@@ -63,10 +64,16 @@ class DilocoSync:
 
     def __init__(
         self, params: Any, config: SyncConfig, is_embedding: Callable[[str], bool] = default_is_embedding,
-        transport: Any = None,
+        transport: Any = None, tape: Any = None, recover_fn: Callable[..., recovery.Recovered] = recovery.recover,
+        snapshots: Any = None,
     ):
         self.config = config
-        self.snapshots = SnapshotBox()
+        # `tape` (a learner.tape.LearnerTapeWriter) records what the hook takes from the network;
+        # `recover_fn` and `snapshots` are how a replay (learner.replay) stands in for the peers.
+        self.tape = tape
+        self.recover_fn = recover_fn
+        self.calls = 0  # calls of `step`: the tape's clock
+        self.snapshots = snapshots if snapshots is not None else SnapshotBox()
         self.peer_server = None
         if config.peer is not None and transport is None:
             self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
@@ -81,6 +88,8 @@ class DilocoSync:
             self.close()
             raise
         self.welcome = welcome
+        if tape is not None:
+            tape.welcome(1, welcome)
         self.learner_id = welcome.learner
         self.layout = layout_from_description(welcome.layout)
         self.tree = TreeFragments(params, self.layout, is_embedding)
@@ -102,7 +111,10 @@ class DilocoSync:
         own weights become global state)."""
         for q in range(self.layout.num_fragments):
             values = self.tree.gather(params, q)
-            self.client.init(q, codec.encode(values, "fp32"))
+            payload = codec.encode(values, "fp32")
+            if self.tape is not None:
+                self.tape.init(self.calls, q, payload)
+            self.client.init(q, payload)
             self.base[q], self.versions[q] = values, 0
         log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
 
@@ -128,10 +140,13 @@ class DilocoSync:
         if self.welcome.needs_init or any(v >= 0 for v in self.versions):
             self.recovered_from = "init"
             return params, opt_state
-        got = recovery.recover(
+        got = self.recover_fn(
             self.welcome, params, opt_state, self.config.token, self.config.recover_timeout_s, self.config.snapshot_bytes_max
         )
         self.recovered_from, self.recovery_s = got.source, got.seconds
+        if self.tape is not None:  # the adopted state, as bytes a replay adopts the same way
+            copied = recovery.snapshot_bytes(got.params, got.opt_state, got.step, list(got.versions), self.layout.digest) if got.versions else None
+            self.tape.recovered(got.source, got.step, got.versions, copied)
         if got.versions:
             self.step_count = got.step
             self.versions = list(got.versions)
@@ -146,10 +161,13 @@ class DilocoSync:
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.step_count += 1
+        self.calls += 1
         for q in range(len(self.steps)):
             self.steps[q] += 1
             self.tokens[q] += tokens
         requests, updates, errors, (welcomes, welcome) = self.client.take()
+        if self.tape is not None:
+            self.tape.take(self.calls, requests, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
         if welcomes != self.welcomes_seen:
             self.welcomes_seen = welcomes
             self._rejoin(params, welcome)
@@ -166,7 +184,10 @@ class DilocoSync:
             session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
         )
         if self.snapshots.wanted:  # a peer asked; the end of a step is a consistent point to copy
-            self.snapshots.publish(recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest))
+            snapshot = recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest)
+            if self.tape is not None:
+                self.tape.published(self.calls, self.step_count, snapshot)
+            self.snapshots.publish(snapshot)
         return params
 
     def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
@@ -189,9 +210,17 @@ class DilocoSync:
             payload, self.feedback[req.fragment] = codec.encode_with_feedback(delta, state, self.config.codec, self.layout.block)
         else:
             payload = codec.encode(delta, self.config.codec, self.layout.block)
-        self.client.push(
-            session.PushInfo(req.fragment, req.round, req.base_version, self.steps[req.fragment], self.tokens[req.fragment], payload)
-        )
+        push = session.PushInfo(req.fragment, req.round, req.base_version, self.steps[req.fragment], self.tokens[req.fragment], payload)
+        if self.tape is not None:
+            self.tape.push(self.calls, push)
+        self.client.push(push)
+
+    def params_sha256(self, params: Any) -> str:
+        """sha256 of every fragment of `params`, gathered to the host: what a full replay compares."""
+        h = hashlib.sha256()
+        for q in range(self.layout.num_fragments):
+            h.update(memoryview(self.tree.gather(params, q)))
+        return h.hexdigest()
 
     def close(self) -> None:
         if getattr(self, "client", None) is not None:

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+from ddiloco.cli import main as cli_main
 from ddiloco.learner.demo import (
     DemoConfig,
     _chaos_plan,
@@ -15,9 +16,9 @@ from ddiloco.learner.demo import (
 )
 
 
-def test_quick_demo_survives_kills_of_a_learner_and_the_syncer(tmp_path):
+def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_full(tmp_path):
     cfg = DemoConfig(learners=2, steps=60, batch=4, kills=1, pauses=1, restart_delay_s=1.0, pause_s=1.0, seed=1,
-                     kill_syncer=True, checkpoint_every_s=0.5, choice_items=32)
+                     kill_syncer=True, checkpoint_every_s=0.5, choice_items=32, record=tmp_path / "rec")
     report = run_demo(cfg, tmp_path, out=open(tmp_path / "live.txt", "w"))
     assert report.kills == 1 and report.recoveries == 1  # the killed learner was started again
     assert report.syncer_kills == 1
@@ -39,6 +40,12 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer(tmp_path):
     assert "chaos: kill learner" in live and "chaos: kill the syncer" in live and "syncer down" in live
     write_plot(report, tmp_path / "plot" / "loss.png")
     assert (tmp_path / "plot" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The recording: both syncer starts and every learner that trained, re-executed in one process.
+    assert (tmp_path / "rec" / "syncer").is_dir() and (tmp_path / "rec" / "syncer.2").is_dir()
+    assert cli_main(["replay", str(tmp_path / "rec"), "--full", "--json", str(tmp_path / "replay.json")]) == 0
+    replayed = json.loads((tmp_path / "replay.json").read_text())
+    assert replayed["ok"] and replayed["full"] and replayed["syncers"]["syncer.2"]["final_checked"]
+    assert len(replayed["learners"]) >= 2 and replayed["updates_checked"] > 0
 
 
 def test_chaos_plan_is_seeded_by_step_and_the_syncer_kill_leaves_the_rest_alone():

@@ -1,0 +1,151 @@
+"""`ddiloco replay --full`: a recorded run with a learner killed and rejoining from a live peer is
+re-executed in one process (real syncer and learner processes on 127.0.0.1 for the recording) and
+reproduces every push, the peer's snapshot and the final merged parameters bit for bit; a learner
+tape that does not fit its run is named by the first push that differs."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from ddiloco.core import tape as tapes
+from ddiloco.learner import replay as full
+from ddiloco.learner import tape as ltapes
+
+TOKEN = "replay-full-token-0123456789"
+DEADLINE_S = 180
+
+
+def _status(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _wait(what, fn):
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} within {DEADLINE_S} s")
+
+
+def _syncer(tmp_path, rec):
+    log = tmp_path / "syncer.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(tmp_path / "token"),
+             "--checkpoint-dir", str(tmp_path / "ck"), "--fragments", "2", "--period", "4", "--overlap", "2",
+             "--quorum", "1", "--outer-lr", "1.0", "--outer-momentum", "0.0", "--grace-max-ms", "200",
+             "--record", str(rec / "syncer"), "--record-no-payloads"],
+            stdout=fh, stderr=subprocess.STDOUT,
+        )
+    found = _wait("listening syncer", lambda: re.search(r"listening on 127\.0\.0\.1:(\d+)", log.read_text()))
+    return proc, int(found.group(1))
+
+
+def _learner(tmp_path, rec, port, name, shard, seed, steps, speed=1.0):
+    log = open(tmp_path / f"{name}.log", "a")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws",
+         "--token-file", str(tmp_path / "token"), "--shard", shard, "--name", name.split(".")[0], "--steps", str(steps),
+         "--batch", "2", "--seed", str(seed), "--speed", str(speed), "--cache-dir", str(tmp_path / "jax-cache"),
+         "--record", str(rec / "learners" / name)],
+        stdout=subprocess.DEVNULL, stderr=log,
+    )
+    log.close()
+    return proc
+
+
+def _live(port, name, not_id=None):
+    return [r["id"] for r in _status(port)["learners"] if r["name"] == name and r["status"] == "live" and r["id"] != not_id]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("replay-full")
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    rec = tmp_path / "rec"
+    syncer, port = _syncer(tmp_path, rec)
+    procs = []
+    try:
+        # a: the peer, slow so that it is still training when b comes back; b: killed and restarted.
+        procs.append(_learner(tmp_path, rec, port, "a.0", "0/2", 1, 10**6, speed=0.3))
+        b = _learner(tmp_path, rec, port, "b.0", "1/2", 2, 10**6)
+        procs.append(b)
+        first_b = _wait("live learner b", lambda: _live(port, "b"))[0]
+        _wait("three merges", lambda: _status(port)["merges"] >= 3)
+        b.send_signal(signal.SIGKILL)
+        b.wait(30)
+        step = _status(port)["global_step"]
+        b1 = _learner(tmp_path, rec, port, "b.1", "1/2", 3, step + 24)
+        procs.append(b1)
+        _wait("b rejoined", lambda: _live(port, "b", not_id=first_b))
+        assert b1.wait(DEADLINE_S) == 0, (tmp_path / "b.1.log").read_text()[-3000:]
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(60) == 0, (tmp_path / "a.0.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        syncer.send_signal(signal.SIGTERM)
+        syncer.wait(60)
+    return rec, tmp_path
+
+
+def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording):
+    rec, tmp_path = recording
+    b1 = ltapes.read(rec / "learners" / "b.1")
+    (recovered,) = b1.of("recover")
+    assert recovered["source"].startswith("peer") and recovered["snapshot"], "b.1 should copy a's state"
+    assert ltapes.read(rec / "learners" / "a.0").of("publish"), "a served its state to b.1"
+    # The syncer's tape names pushes by hash only: nothing but re-executing the learners gives them back.
+    assert not tapes.read(rec / "syncer").header["keep_payloads"]
+
+    result = full.replay_full(rec, cache_dir=tmp_path / "jax-cache")
+
+    assert result.ok, result.divergence
+    by_name = {r.name: r for r in result.learners}
+    assert set(by_name) == {"a.0", "b.0", "b.1"}
+    assert by_name["a.0"].published >= 1 and by_name["a.0"].final_checked and by_name["b.1"].final_checked
+    assert not by_name["b.0"].final_checked  # SIGKILLed: its pushes are checked, not its end
+    assert all(r.pushes > 0 for r in result.learners)
+    ((_, syncer),) = result.syncers
+    assert syncer.final_checked and syncer.merges_checked >= 3  # the final merged parameters, bit for bit
+    assert result.updates_checked > 0
+
+
+def test_a_learner_tape_that_does_not_fit_its_run_is_named_by_the_first_push(recording, tmp_path):
+    rec, work = recording
+    tape = ltapes.read(rec / "learners" / "a.0")
+    # The same tape with another data seed: the first outer gradient it pushes differs.
+    copy = ltapes.LearnerTapeWriter.create(tmp_path / "a.0", {**tape.config, "seed": tape.config["seed"] + 1})
+    for record in tape.records:
+        copy._append(record)
+    for payload in (rec / "learners" / "a.0" / tapes.PAYLOAD_DIR).iterdir():
+        (tmp_path / "a.0" / tapes.PAYLOAD_DIR / payload.name).write_bytes(payload.read_bytes())
+    copy.abandon()
+
+    result, _ = full.replay_learner(ltapes.read(tmp_path / "a.0"), work / "jax-cache")
+
+    first_push = tape.of("push")[0]
+    assert result.divergence is not None
+    assert result.divergence.startswith(f"call {first_push['call']}: push 0 of fragment {first_push['fragment']}"), result.divergence
+    assert "sha256" in result.divergence
+
+
+def test_a_recording_without_learner_tapes_is_refused_with_what_is_missing(tmp_path):
+    with pytest.raises(tapes.TapeError, match="not a recorded demo"):
+        full.replay_full(tmp_path)
+
+
+def test_a_config_from_another_version_is_a_clear_error():
+    from ddiloco.learner.run import learner_config_from_json
+
+    with pytest.raises(ValueError, match="does not fit this version"):
+        learner_config_from_json({"syncer": "ws://x/ws"})
