@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", type=Path, help="append JSON lines of progress here")
     p.add_argument("--cache-dir", type=Path, help="JAX persistent compilation cache")
     p.add_argument("--record", type=Path, metavar="DIR", help="write this learner's tape to DIR (a new directory)")
+    p.add_argument("--restore", type=Path, metavar="FILE",
+                   help="continue from this learner's local state in a consistent snapshot (learner-<id>.ddls)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         log_file=args.log_file,
         cache_dir=args.cache_dir,
         record=args.record,
+        restore=args.restore,
     )
     from ddiloco.core.tape import TapeError
     from ddiloco.net.client import SyncerRefused

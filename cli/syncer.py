@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     p.add_argument("--record", type=Path, metavar="DIR",
                    help="write the event tape of this run into DIR (a new directory; `ddiloco replay DIR` checks it)")
+    p.add_argument("--snapshot-dir", type=Path, metavar="DIR",
+                   help="where consistent snapshots (syncer + learners + messages in flight) go; "
+                        "taken by POST /snapshot or `ddiloco snapshot URL`")
+    p.add_argument("--snapshot-every-s", type=float, default=0.0, help="also take a snapshot every this many seconds")
+    p.add_argument("--snapshot-wait-s", type=float, default=120.0,
+                   help="how long a snapshot waits for the learners' local states (default 120)")
     p.add_argument("--record-no-payloads", action="store_true",
                    help="with --record: keep only the hashes of pushed payloads (a smaller tape that cannot be replayed)")
 
@@ -129,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no --auth-token-file: any peer that reaches the port may join")
     kernels.warmup()
     server_config = server.ServerConfig(
-        host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume
+        host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume,
+        snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_wait_s_max=args.snapshot_wait_s,
     )
     tape = _open_tape(args, state, log)
     daemon = server.SyncerServer(state, server_config, tape=tape)

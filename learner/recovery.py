@@ -52,14 +52,21 @@ def _host(leaf: Any) -> np.ndarray:
     return np.asarray(jax.device_get(leaf))
 
 
-def snapshot_bytes(params: Any, opt_state: Any, step: int, versions: list[int], digest: str) -> bytes:
-    """The state a peer copies, as `net.peer` snapshot bytes (host copies taken now)."""
+def snapshot_bytes(
+    params: Any, opt_state: Any, step: int, versions: list[int], digest: str,
+    extra_meta: dict | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
+) -> bytes:
+    """The state a peer copies, as `net.peer` snapshot bytes (host copies taken now). A learner's
+    local state for a consistent snapshot adds its sync counters (`extra_*`, learner.sync)."""
     arrays = {f"params/{path}": _host(leaf) for path, leaf in _leaves(params)}
     opt = None
     if opt_state is not None:
         opt = {"treedef": str(tree_structure(opt_state)), "leaves": [path for path, _ in _leaves(opt_state)]}
         arrays |= {f"opt/{i}": _host(leaf) for i, (_, leaf) in enumerate(_leaves(opt_state))}
+    arrays |= {f"sync/{k}": v for k, v in (extra_arrays or {}).items()}
     meta = {"format": FORMAT, "step": int(step), "versions": [int(v) for v in versions], "layout_digest": digest, "opt": opt}
+    if extra_meta:
+        meta["sync"] = extra_meta
     return peer.encode_snapshot(meta, arrays)
 
 
@@ -85,7 +92,7 @@ def adopt(snap: peer.Snapshot, params: Any, opt_state: Any, digest: str, current
 def _put_back(snap: peer.Snapshot, prefix: str, names: list[str], like: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(like)
     expected = {prefix + n for n in names}
-    present = {k for k in snap.arrays if k.startswith(prefix)}
+    present = {k for k in snap.arrays if k.startswith(prefix)}  # (sync/ arrays are read by learner.sync)
     if present != expected:
         raise RecoveryError(f"snapshot {prefix[:-1]} leaves differ: missing {sorted(expected - present)[:3]}, extra {sorted(present - expected)[:3]}")
     out = []

@@ -24,7 +24,7 @@ from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tape import LearnerTapeWriter, config_json
-from ddiloco.net.peer import PeerConfig
+from ddiloco.net.peer import PeerConfig, PeerError
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -46,6 +46,7 @@ class LearnerConfig:
     cache_dir: Path | None = None
     peer: PeerConfig | None = field(default_factory=PeerConfig)  # serve this learner's state to rejoining peers
     record: Path | None = None  # write this learner's tape here (learner.tape), for `ddiloco replay --full`
+    restore: Path | None = None  # continue from this local state of a consistent snapshot (net.snapshot)
 
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
@@ -60,6 +61,17 @@ def _stop_on_sigterm() -> list:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: flag.append(True))
     return flag
+
+
+def _start_state(cfg: LearnerConfig, sync: DilocoSync, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    """A learner restored from a snapshot continues from its local state there; a (re)joining one
+    copies a healthy peer's parameters, AdamW state and step when it can."""
+    if cfg.restore is not None:
+        try:
+            return sync.restore(params, opt_state, cfg.restore.read_bytes())
+        except (OSError, ValueError, PeerError) as exc:  # a damaged file, or a state that does not fit
+            log.warning("not restoring from %s (%s): joining like a restarted learner", cfg.restore, exc)
+    return sync.recover(params, opt_state)
 
 
 def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
@@ -78,8 +90,7 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
         **(replay.sync_arguments() if replay is not None else {}),
     )
     joined = time.monotonic()
-    # A (re)joining learner copies a healthy peer's parameters, AdamW state and step when it can.
-    params, opt_state = sync.recover(params, opt_state)
+    params, opt_state = _start_state(cfg, sync, params, opt_state)
     caught_up_s = None
     tokens_per_step = cfg.batch * cfg.model.seq
     log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file else None

@@ -20,7 +20,7 @@ from ddiloco.core import codec
 from ddiloco.core.layout import layout_from_description
 from ddiloco.learner import recovery
 from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
-from ddiloco.net import session
+from ddiloco.net import peer, session
 from ddiloco.net.client import ClientConfig, ThreadedClient
 from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
 
@@ -183,6 +183,12 @@ class DilocoSync:
         self.client.progress(
             session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
         )
+        take_markers = getattr(self.client, "take_markers", None)
+        for snapshot in take_markers() if take_markers is not None else ():
+            # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
+            # pushes made so far, which is what makes the cut consistent.
+            self.client.local_state(snapshot, self.local_state_bytes(params, opt_state))
+            log.info("recorded the local state for snapshot %d at step %d", snapshot, self.step_count)
         if self.snapshots.wanted:  # a peer asked; the end of a step is a consistent point to copy
             snapshot = recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest)
             if self.tape is not None:
@@ -214,6 +220,40 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.push(self.calls, push)
         self.client.push(push)
+
+    def local_state_bytes(self, params: Any, opt_state: Any) -> bytes:
+        """Everything this learner's future depends on: parameters, optimizer state, step, and the
+        sync state (fragment versions held, their bases, counters since, error-feedback residuals)."""
+        p = self.layout.num_fragments
+        arrays = {f"base/{q}": self.base[q] for q in range(p) if self.base[q] is not None}
+        arrays |= {f"feedback/{q}": self.feedback[q].residual for q in range(p) if self.feedback[q] is not None}
+        meta = {"steps": list(self.steps), "tokens": list(self.tokens), "name": self.config.name, "learner": self.learner_id}
+        return recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest, meta, arrays)
+
+    def restore(self, params: Any, opt_state: Any, data: bytes) -> tuple[Any, Any]:
+        """Call once after construction instead of `recover`: continue from a local state recorded
+        for a consistent snapshot (`local_state_bytes`), against a syncer restored from the same
+        snapshot. Fragment versions newer than those held (in flight at the cut) arrive by themselves."""
+        snap = peer.decode_snapshot(data)
+        sync_meta = snap.meta.get("sync")
+        if not isinstance(sync_meta, dict):
+            raise recovery.RecoveryError("not a learner's local state of a snapshot (no sync state in it)")
+        params, opt_state, step, versions = recovery.adopt(snap, params, opt_state, self.layout.digest, tuple(self.welcome.versions))
+        p = self.layout.num_fragments
+        if any(v > w for v, w in zip(versions, self.welcome.versions)):
+            raise recovery.RecoveryError(f"the local state holds versions {list(versions)}, newer than the syncer's "
+                                         f"{list(self.welcome.versions)}: they are not from the same snapshot")
+        missing = [q for q in range(p) if f"sync/base/{q}" not in snap.arrays]
+        if missing:
+            raise recovery.RecoveryError(f"the local state has no base of fragments {missing}")
+        self.step_count, self.versions = step, list(versions)
+        self.base = [np.array(snap.arrays[f"sync/base/{q}"]) for q in range(p)]
+        self.steps, self.tokens = [int(x) for x in sync_meta["steps"]], [int(x) for x in sync_meta["tokens"]]
+        self.feedback = [codec.FeedbackState(np.array(snap.arrays[f"sync/feedback/{q}"]))
+                         if f"sync/feedback/{q}" in snap.arrays else None for q in range(p)]
+        self.recovered_from = "snapshot"
+        log.info("restored step %d and versions %s from a snapshot's local state", step, list(versions))
+        return params, opt_state
 
     def params_sha256(self, params: Any) -> str:
         """sha256 of every fragment of `params`, gathered to the host: what a full replay compares."""

@@ -67,6 +67,10 @@ class Inbox:
     errors: deque = field(default_factory=lambda: deque(maxlen=64))
     connects: int = 0
     welcomes: int = 0  # how many welcomes so far: a new one means a rejoin or a request for init
+    markers: deque = field(default_factory=lambda: deque(maxlen=16))  # snapshot ids (net.snapshot)
+    # What arrived after a marker the training loop has not taken yet: held back until it has
+    # recorded its local state, so that the state never reflects a message sent after the cut.
+    held: deque = field(default_factory=deque)
 
 
 class SyncerClient:
@@ -112,6 +116,12 @@ class SyncerClient:
 
     def queue_init(self, fragment: int, payload: bytes, welcomes: int | None = None) -> None:
         self._bulk.append((welcomes, session.InitInfo(fragment, payload)))
+        self._wake.set()
+
+    def queue_local_state(self, item: session.LocalStateInfo, welcomes: int | None = None) -> None:
+        """After the pushes already queued (the channel's order is what makes the snapshot
+        consistent), and never refused for a full queue: the snapshot waits for it."""
+        self._bulk.append((welcomes, item))
         self._wake.set()
 
     def _current(self, welcomes: int | None) -> bool:
@@ -207,6 +217,9 @@ class SyncerClient:
             log.warning("not merging the syncer's clock: %s", exc)
 
     def _deliver(self, item: object) -> None:
+        if self.inbox.markers and isinstance(item, (session.RequestInfo, session.UpdateInfo, session.MarkerInfo)):
+            self.inbox.held.append(item)
+            return
         if isinstance(item, session.WelcomeInfo):
             self.inbox.welcome = item
             self.inbox.welcomes += 1
@@ -218,6 +231,8 @@ class SyncerClient:
             current = self.inbox.updates.get(item.fragment)
             if current is None or item.version >= current.version:
                 self.inbox.updates[item.fragment] = item
+        elif isinstance(item, session.MarkerInfo):
+            self.inbox.markers.append(item.snapshot)
         elif isinstance(item, session.ErrorInfo):
             self.inbox.errors.append(item)
             if item.fatal:
@@ -261,6 +276,7 @@ class ThreadedClient:
         self._client: SyncerClient | None = None
         self._ready = threading.Event()
         self._welcomes_seen = 0  # welcomes the caller has seen: stamps what it sends (see queue_progress)
+        self._markers: list[int] = []  # collected by `_take` on the loop, given out by `take_markers`
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -305,6 +321,15 @@ class ThreadedClient:
         self._check()
         self._loop.call_soon_threadsafe(self._client.queue_init, fragment, payload, self._welcomes_seen)
 
+    def local_state(self, snapshot: int, data: bytes) -> None:
+        self._check()
+        self._loop.call_soon_threadsafe(self._client.queue_local_state, session.LocalStateInfo(snapshot, data), self._welcomes_seen)
+
+    def take_markers(self) -> list[int]:
+        """Snapshot markers (net.snapshot) that the last `take` collected, each given out once."""
+        got, self._markers = self._markers, []
+        return got
+
     def take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
         """(requests, updates by fragment, errors) that arrived since the last call, and
         (number of welcomes so far, the latest welcome)."""
@@ -320,6 +345,12 @@ class ThreadedClient:
         box.requests.clear()
         box.updates.clear()
         box.errors.clear()
+        self._markers += box.markers  # handed to the training thread by `take_markers`, after this take
+        box.markers.clear()
+        held = list(box.held)
+        box.held.clear()
+        for item in held:  # after the marker: for the next take (held again behind a later marker)
+            self._client._deliver(item)
         return requests, updates, errors, (box.welcomes, box.welcome)
 
     def _check(self) -> None:

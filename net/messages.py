@@ -53,6 +53,8 @@ class Kind(enum.IntEnum):
     UPDATE = 7
     ERROR = 8
     BYE = 9
+    MARKER = 10  # Chandy-Lamport snapshot marker (net.snapshot)
+    LOCAL_STATE = 11  # a learner's local state recorded on a marker
 
 
 class ErrorCode(enum.IntEnum):
@@ -275,14 +277,39 @@ class Bye(_Body):
     reason: str
 
 
-Message = Hello | Welcome | Progress | Request | Push | Init | Update | Error | Bye
+@dataclass(frozen=True)
+class Marker(_Body):
+    """Syncer -> learner: a consistent snapshot `snapshot` has started (net.snapshot). The learner
+    records its local state at its next step boundary and sends it back as `LocalState`."""
+
+    KIND: ClassVar[Kind] = Kind.MARKER
+    snapshot: int
+    clock: dict[str, int]
+
+
+@dataclass(frozen=True)
+class LocalState(_Body):
+    """Learner -> syncer, bulk: the learner's state recorded on the marker of `snapshot`, after
+    every push it sent before (so it also closes the learner -> syncer channel of the snapshot)."""
+
+    KIND: ClassVar[Kind] = Kind.LOCAL_STATE
+    snapshot: int
+    sha256: str
+    clock: dict[str, int]
+    payload: memoryview = field(repr=False)
+
+    def _check(self) -> None:
+        _require(re.fullmatch(r"[0-9a-f]{64}", self.sha256) is not None, "LocalState.sha256 must be 64 lowercase hex digits")
+
+
+Message = Hello | Welcome | Progress | Request | Push | Init | Update | Error | Bye | Marker | LocalState
 
 CLASS_OF_KIND: dict[Kind, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, Welcome, Progress, Request, Push, Init, Update, Error, Bye)
+    cls.KIND: cls for cls in (Hello, Welcome, Progress, Request, Push, Init, Update, Error, Bye, Marker, LocalState)
 }
-BULK_KINDS = frozenset({Kind.PUSH, Kind.INIT, Kind.UPDATE})
-LEARNER_KINDS = frozenset({Kind.HELLO, Kind.PROGRESS, Kind.PUSH, Kind.INIT, Kind.ERROR, Kind.BYE})
-SYNCER_KINDS = frozenset({Kind.WELCOME, Kind.REQUEST, Kind.UPDATE, Kind.ERROR, Kind.BYE})
+BULK_KINDS = frozenset({Kind.PUSH, Kind.INIT, Kind.UPDATE, Kind.LOCAL_STATE})
+LEARNER_KINDS = frozenset({Kind.HELLO, Kind.PROGRESS, Kind.PUSH, Kind.INIT, Kind.ERROR, Kind.BYE, Kind.LOCAL_STATE})
+SYNCER_KINDS = frozenset({Kind.WELCOME, Kind.REQUEST, Kind.UPDATE, Kind.ERROR, Kind.BYE, Kind.MARKER})
 
 
 def message_meta(message: Message) -> bytes:

@@ -9,7 +9,8 @@ connections, timers armed, checkpoints written (on the core thread, so the array
 while they are written).
 
 HTTP: `/healthz`, `/metrics` (Prometheus), `/status` (JSON), `/` (a small live page), `POST
-/checkpoint` (token required). `/ws` is the learners' websocket; with a token configured the upgrade
+/checkpoint` and `POST /snapshot` (a consistent snapshot of syncer, learners and messages in flight,
+net.snapshot; token required). `/ws` is the learners' websocket; with a token configured the upgrade
 is refused with 401 unless `Authorization: Bearer <token>` matches.
 """
 
@@ -48,7 +49,9 @@ from ddiloco.core.events import (
     WriteCheckpoint,
 )
 from ddiloco.core.vclock import VClock, VClockError
+from ddiloco.net import messages as msg
 from ddiloco.net import session, store, wire
+from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.connection import Connection, QueueLimits, SlowPeerError
 from ddiloco.net.telemetry import Metrics, render_prometheus, status_document
@@ -70,8 +73,16 @@ class ServerConfig:
     heartbeat_s: float = 20.0  # websocket ping interval; a peer silent for half of it is closed
     queues: QueueLimits = field(default_factory=QueueLimits)
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
+    snapshot_dir: Path | None = None  # where consistent snapshots go (net.snapshot); None: none taken
+    snapshot_every_s: float = 0.0  # 0: only on request
+    snapshot_wait_s_max: float = snapshots.WAIT_S_MAX_DEFAULT
+    snapshots_kept: int = snapshots.SNAPSHOTS_KEPT_DEFAULT
 
     def __post_init__(self) -> None:
+        if self.snapshot_every_s < 0 or self.snapshot_wait_s_max <= 0 or self.snapshots_kept < 1:
+            raise ValueError("snapshot_every_s must be >= 0, snapshot_wait_s_max and snapshots_kept positive")
+        if self.snapshot_every_s and self.snapshot_dir is None:
+            raise ValueError("snapshot_every_s needs a snapshot_dir")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.events_queued_max < 1 or self.heartbeat_s <= 0 or self.checkpoints_kept < 1:
@@ -88,6 +99,27 @@ class FrameSet:
 
     def __iter__(self):
         return iter(self.frames)
+
+
+@dataclass
+class _SnapshotStart:
+    """Queued like an event: the cut falls exactly between the events before it and after it."""
+
+    reason: str
+    done: asyncio.Future
+
+
+@dataclass
+class _LocalStateIn:
+    learner: int
+    snapshot: int
+    data: bytes
+    sha256: str
+
+
+@dataclass
+class _SnapshotTimeout:
+    snapshot: int
 
 
 class SyncerServer:
@@ -123,6 +155,9 @@ class SyncerServer:
         self._stopping: asyncio.Event | None = None
         self.port: int | None = None
         self.core_seconds = 0.0  # wall time spent inside handle(), for the bench
+        self._snapshot: snapshots.Snapshot | None = None  # being taken; touched on the core thread only
+        self._snapshot_waiters: list[asyncio.Future] = []
+        self._snapshot_ids = itertools.count(1)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -134,6 +169,7 @@ class SyncerServer:
         app.router.add_get("/status", self._status)
         app.router.add_get("/", self._page)
         app.router.add_post("/checkpoint", self._checkpoint_now)
+        app.router.add_post("/snapshot", self._snapshot_now)
         return app
 
     async def start(self) -> int:
@@ -145,6 +181,8 @@ class SyncerServer:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # the port the OS chose for port 0
+        if self.config.snapshot_every_s:
+            self._spawn(self._snapshot_timer())
         log.info("syncer listening on %s:%d", self.config.host, self.port)
         return self.port
 
@@ -159,6 +197,10 @@ class SyncerServer:
             await conn.ws.close(code=1001, message=b"syncer shutting down")
         await self._events.put(None)
         await self._core_task
+        if self._snapshot is not None:
+            log.warning("snapshot %d abandoned: the syncer is stopping", self._snapshot.ident)
+            await asyncio.get_running_loop().run_in_executor(self._core, snapshots.abandon, self._snapshot)
+            self._snapshot = None
         if self.tape is not None:
             await asyncio.get_running_loop().run_in_executor(self._core, self._tape, lambda t: t.close(self.state))
         for task in list(self._background):  # the connections are closed already: nothing left to do
@@ -191,6 +233,9 @@ class SyncerServer:
             item = await self._events.get()
             if item is None:
                 return
+            if isinstance(item, (_SnapshotStart, _LocalStateIn, _SnapshotTimeout)):
+                await self._snapshot_step(item)
+                continue
             # A queued item is an event, or (event, the clock its learner message carried).
             event, carried = item if isinstance(item, tuple) else (item, None)
             started = time.perf_counter()
@@ -220,6 +265,13 @@ class SyncerServer:
             clock = self.vclock
         self.vclock = clock.tick(SYNCER_CLOCK_NAME)
         index = self._tape(lambda t: t.event(event, now, self.vclock))
+        if self._snapshot is not None:  # taken after the cut, before the learner's local state: in flight
+            try:
+                snapshots.record_inflight(self._snapshot, event)
+            except OSError as exc:
+                log.error("snapshot %d abandoned: %s", self._snapshot.ident, exc)
+                snapshots.abandon(self._snapshot)
+                self._snapshot = None
         state, effects = core.handle(self.state, event, now)
         if index is not None:
             self._tape(lambda t: t.checks(index, state, effects))
@@ -387,6 +439,9 @@ class SyncerServer:
             message = reassembler.feed(data)
             if message is None:
                 return True
+            if isinstance(message, msg.LocalState) and conn.learner is not None:
+                await self._events.put(_LocalStateIn(conn.learner, message.snapshot, bytes(message.payload), message.sha256))
+                return True
             event = session.event_for(message, conn.conn_id, conn.learner, self.state.layout)
         except wire.WireError as exc:
             return await self._refuse(conn, exc)
@@ -454,6 +509,95 @@ class SyncerServer:
             raise web.HTTPConflict(text="the syncer holds no parameters yet: nothing to checkpoint\n")
         await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "requested over HTTP")
         return web.Response(text="checkpoint written\n")
+
+    async def _snapshot_now(self, request: web.Request) -> web.Response:
+        """Take a consistent snapshot; answers when it is complete, with its manifest's summary."""
+        if not self._authorized(request):
+            raise web.HTTPUnauthorized(text="this endpoint writes state: bearer token required\n")
+        done = asyncio.get_running_loop().create_future()
+        await self._events.put(_SnapshotStart("requested over HTTP", done))
+        try:
+            result = await asyncio.wait_for(done, self.config.snapshot_wait_s_max + 30)
+        except snapshots.SnapshotError as exc:
+            raise web.HTTPConflict(text=f"{exc}\n") from None
+        return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+    async def _snapshot_timer(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.config.snapshot_every_s)
+            if self._snapshot is None and self.state.holds_parameters:
+                done = asyncio.get_running_loop().create_future()
+                done.add_done_callback(lambda f: f.exception())  # a failure is logged where it happens
+                await self._events.put(_SnapshotStart("timer", done))
+
+    async def _snapshot_step(self, item) -> None:
+        """Start a snapshot, take a learner's local state, or give up waiting (net.snapshot)."""
+        loop = asyncio.get_running_loop()
+        if isinstance(item, _SnapshotStart):
+            if item.done.done():
+                return
+            problem = (
+                "no snapshot directory configured" if self.config.snapshot_dir is None
+                else "the syncer holds no parameters yet" if not self.state.holds_parameters
+                else f"snapshot {self._snapshot.ident} is still being taken" if self._snapshot is not None else None
+            )
+            if problem:
+                item.done.set_exception(snapshots.SnapshotError(f"no snapshot: {problem}"))
+                return
+            learners = {i: self.state.learners[i].name for i in self._by_learner if i in self.state.learners}
+            ident = next(self._snapshot_ids)
+            try:
+                self._snapshot = await loop.run_in_executor(
+                    self._core, snapshots.begin, self.config.snapshot_dir, ident, self.state, learners,
+                    self.vclock.as_dict(), self.clock(),
+                )
+            except snapshots.SnapshotError as exc:
+                log.error("%s", exc)
+                item.done.set_exception(exc)
+                return
+            self._snapshot_waiters.append(item.done)
+            log.info("snapshot %d started (%s): syncer state recorded, markers to %d learners", ident, item.reason, len(learners))
+            for learner in learners:
+                frames = session.marker_frames(ident, next(self._message_ids), self.config.wire, self.vclock.as_dict())
+                self._queue(self._by_learner[learner], frames, bulk=False)
+            loop.call_later(self.config.snapshot_wait_s_max, lambda: self._fire_snapshot(_SnapshotTimeout(ident)))
+        snap = self._snapshot
+        if snap is None or getattr(item, "snapshot", snap.ident) != snap.ident:
+            if isinstance(item, _LocalStateIn):
+                log.warning("learner %d: a local state for snapshot %d, which is not being taken", item.learner, item.snapshot)
+            return
+        if isinstance(item, _LocalStateIn):
+            problem = await loop.run_in_executor(self._core, snapshots.local_state, snap, item.learner, item.data, item.sha256)
+            if problem:
+                log.warning("snapshot %d: %s", snap.ident, problem)
+        if snapshots.complete(snap) or isinstance(item, _SnapshotTimeout):
+            await self._finish_snapshot(snap)
+
+    async def _finish_snapshot(self, snap: snapshots.Snapshot) -> None:
+        self._snapshot = None
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        try:
+            path = await asyncio.get_running_loop().run_in_executor(
+                self._core, snapshots.finish, snap, self.clock(), self.config.snapshots_kept
+            )
+        except snapshots.SnapshotError as exc:
+            log.error("%s", exc)
+            snapshots.abandon(snap)
+            for w in waiters:
+                if not w.done():
+                    w.set_exception(exc)
+            return
+        result = {"snapshot": snap.ident, "directory": str(path), "learners": len(snap.states),
+                  "inflight": len(snap.inflight), "left_out": {str(k): v for k, v in snap.left_out.items()}}
+        log.info("snapshot %d complete: %s (%d learners, %d messages in flight, %d left out)",
+                 snap.ident, path.name, len(snap.states), len(snap.inflight), len(snap.left_out))
+        for w in waiters:
+            if not w.done():
+                w.set_result(result)
+
+    def _fire_snapshot(self, item: _SnapshotTimeout) -> None:
+        if not self._stopping.is_set():
+            self._spawn(self._events.put(item))
 
     async def _page(self, request: web.Request) -> web.Response:
         return web.Response(text=_PAGE, content_type="text/html")

@@ -8,6 +8,8 @@ element count), so nothing is said twice on the wire.
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from dataclasses import dataclass
 
@@ -113,6 +115,17 @@ class PushInfo:
 
 
 @dataclass(frozen=True)
+class MarkerInfo:
+    snapshot: int  # a consistent snapshot started: record the local state at the next step boundary
+
+
+@dataclass(frozen=True)
+class LocalStateInfo:
+    snapshot: int
+    data: bytes  # the learner's state (learner.sync.DilocoSync.local_state_bytes)
+
+
+@dataclass(frozen=True)
 class InitInfo:
     fragment: int
     payload: bytes  # fp32 codec bytes
@@ -163,7 +176,13 @@ def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits, c
     return wire.encode(m, message_id=message_id, limits=limits)
 
 
-def bulk_frames(item: PushInfo | InitInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
+def bulk_frames(
+    item: PushInfo | InitInfo | LocalStateInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+) -> list:
+    if isinstance(item, LocalStateInfo):
+        m = msg.LocalState(snapshot=item.snapshot, sha256=hashlib.sha256(item.data).hexdigest(), clock=clock or {},
+                           payload=item.data)
+        return wire.encode(m, message_id=message_id, limits=limits)
     enc = codecs.parse(item.payload)
     body = memoryview(item.payload)[codecs.HEADER_BYTES :]
     if isinstance(item, InitInfo):
@@ -190,6 +209,8 @@ def client_view(m: msg.Message) -> object:
         return UpdateInfo(m.fragment, m.version, _encoded(m.codec.value, 0, m.element_count, m.payload))
     if isinstance(m, msg.Error):
         return ErrorInfo(m.code.name.lower(), m.text, m.fatal)
+    if isinstance(m, msg.Marker):
+        return MarkerInfo(m.snapshot)
     return None
 
 
@@ -216,8 +237,8 @@ def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | N
         return ev.Push(learner, m.fragment, m.round, m.base_version, m.steps, m.tokens, encoded)
     if isinstance(m, msg.Bye):
         return ev.Disconnect(learner, f"bye: {m.reason}")
-    if isinstance(m, msg.Error):
-        return None  # a learner's complaint: logged by the caller, nothing for the core
+    if isinstance(m, (msg.Error, msg.LocalState)):
+        return None  # a learner's complaint (logged by the caller), or a snapshot's (net.snapshot): nothing for the core
     raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"learners do not send {type(m).__name__}")
 
 
@@ -240,6 +261,10 @@ def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits, cloc
     else:
         raise AssertionError(f"{type(effect).__name__} sends nothing")
     return wire.encode(m, message_id=message_id, limits=limits)
+
+
+def marker_frames(snapshot: int, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
+    return wire.encode(msg.Marker(snapshot=snapshot, clock=clock or {}), message_id=message_id, limits=limits)
 
 
 def update_frames(

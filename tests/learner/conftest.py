@@ -17,9 +17,10 @@ DEADLINE_S = 120
 
 
 class ThreadedSyncer:
-    def __init__(self, config: SyncerConfig, token: str = TOKEN):
+    def __init__(self, config: SyncerConfig | syncer.SyncerState, token: str = TOKEN, **server_fields):
         self.loop = asyncio.new_event_loop()
-        self.server = SyncerServer(syncer.new_state(config), ServerConfig(port=0, auth_token=token))
+        state = config if isinstance(config, syncer.SyncerState) else syncer.new_state(config)
+        self.server = SyncerServer(state, ServerConfig(port=0, auth_token=token, **server_fields))
         self._stopped = False
         ready = threading.Event()
 
@@ -33,6 +34,7 @@ class ThreadedSyncer:
         self.thread.start()
         assert ready.wait(30)
         self.url = f"ws://127.0.0.1:{self.server.port}/ws"
+        self.http = f"http://127.0.0.1:{self.server.port}"
 
     def read(self, fn):
         """fn(state), run on the syncer's loop so it sees a consistent state."""
@@ -62,11 +64,12 @@ class ThreadedSyncer:
 
 @pytest.fixture
 def threaded_syncer():
-    """A factory: `threaded_syncer(config_or_None, token=..., **config_fields)`; stopped at the end."""
+    """A factory: `threaded_syncer(config_or_state_or_None, token=..., server=dict(...), **config_fields)`;
+    stopped at the end."""
     made: list[ThreadedSyncer] = []
 
-    def make(config: SyncerConfig | None = None, token: str = TOKEN, **fields) -> ThreadedSyncer:
-        s = ThreadedSyncer(config if config is not None else SyncerConfig(**fields), token)
+    def make(config=None, token: str = TOKEN, server: dict | None = None, **fields) -> ThreadedSyncer:
+        s = ThreadedSyncer(config if config is not None else SyncerConfig(**fields), token, **(server or {}))
         made.append(s)
         return s
 

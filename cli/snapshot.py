@@ -1,0 +1,43 @@
+"""`ddiloco snapshot URL --token-file F`: take a consistent snapshot of a running system (net.snapshot).
+
+Asks the syncer (`POST /snapshot`, the syncer needs `--snapshot-dir`) and waits until the learners'
+local states are in; prints where the snapshot is, how many learners and messages in flight it holds,
+and which learners were left out and why. `ddiloco demo --restore DIR` restarts a demo from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="the syncer's HTTP address, e.g. http://127.0.0.1:8470")
+    p.add_argument("--token-file", type=Path, required=True, help="file holding the shared bearer token")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddiloco.net.auth import read_token_file
+
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"URL must start with http:// or https://, got {args.url!r}")
+    req = urllib.request.Request(f"{url}/snapshot", method="POST",
+                                 headers={"Authorization": f"Bearer {read_token_file(args.token_file)}"})
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout_s) as resp:
+            doc = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"ddiloco snapshot: the syncer said {exc.code}: {exc.read().decode(errors='replace').strip()}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"ddiloco snapshot: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0

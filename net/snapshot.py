@@ -1,0 +1,221 @@
+"""Consistent snapshots of the whole system (syncer + learners + messages in flight), Chandy-Lamport style.
+
+ALGORITHM.md, "Recovery, snapshots, replay". The topology is a star of FIFO channels (one websocket
+per learner, each direction in order). The syncer starts a snapshot between two events of its core
+(on a timer, on `POST /snapshot`, or `ddiloco snapshot URL`): it records its own state (a checkpoint)
+and sends a marker to every connected learner. A learner records its local state at its next step
+boundary (parameters, optimizer state, step, and its sync state: versions held, their bases, counters,
+error-feedback residuals) and sends it back, behind every push it made before. Every message the
+syncer's core takes from learner i after the cut and before learner i's local state is the state of
+the channel i -> syncer: recorded in the snapshot. The channel syncer -> learner i needs no record:
+what was in flight on it at the cut is the syncer's newer fragment versions, which a restored syncer
+sends to every (re)joining learner anyway (the snapshot notes which). A learner that leaves before its
+state arrives, or does not answer within `wait_s_max`, is left out (as if it had failed at the cut).
+
+A snapshot is a directory, written under a temporary name and renamed when complete:
+
+    manifest.json                  what is in it, with the sha256 of every file
+    ckpt-....ddck                  the syncer's state (core.checkpoint; `ddiloco syncer --resume DIR` reads it)
+    learner-<id>.ddls              each learner's local state (net.peer snapshot bytes; learner.sync)
+    inflight/<sha256>              payloads of the messages in flight (pushes, initial fragments)
+
+This module writes and checks those files; the daemon (net.server) drives it. No clock is read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from ddiloco.core import checkpoint
+from ddiloco.core import codec as codecs
+from ddiloco.core import events as ev
+from ddiloco.core.syncer import SyncerState, state_hash
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+INFLIGHT_DIR = "inflight"
+WAIT_S_MAX_DEFAULT = 120.0  # how long a snapshot waits for the learners' local states
+SNAPSHOTS_KEPT_DEFAULT = 5
+LOCAL_STATE_BYTES_MAX = 16 << 30
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be written, or a directory that is not a complete, intact snapshot."""
+
+
+@dataclass
+class Snapshot:
+    """One snapshot being taken."""
+
+    ident: int
+    directory: Path  # the temporary directory until `finish`
+    final: Path
+    syncer_file: str
+    versions: tuple[int, ...]
+    global_step: int
+    learners: dict[int, str]  # learner id -> name, the channels recorded (those connected at the cut)
+    started_at: float
+    open: set[int] = field(default_factory=set)  # channels still recording
+    states: dict[int, dict] = field(default_factory=dict)  # learner id -> file facts
+    inflight: list[dict] = field(default_factory=list)
+    left_out: dict[int, str] = field(default_factory=dict)  # learner id -> why
+    meta: dict = field(default_factory=dict)
+
+
+def begin(root: Path, ident: int, state: SyncerState, learners: dict[int, str], vclock: dict[str, int], now: float) -> Snapshot:
+    """Record the syncer's state (on the core thread, between two events) and open a channel per learner."""
+    final = Path(root) / f"snap-{state.merges:012d}-{ident:06d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / INFLIGHT_DIR).mkdir(parents=True)
+        chunks = checkpoint.to_chunks(state)
+        name = f"ckpt-{state.merges:012d}-000000-{checkpoint.content_hash(chunks)[:16]}.ddck"
+        _write(tmp / name, chunks)
+    except OSError as exc:
+        raise SnapshotError(f"cannot write snapshot {ident} in {root}: {exc.strerror or exc}") from exc
+    snap = Snapshot(ident, tmp, final, name, tuple(f.version for f in state.fragments), state.global_step,
+                    dict(learners), now, open=set(learners),
+                    meta={"syncer_state_hash": state_hash(state), "syncer_clock": dict(vclock), "merges": state.merges})
+    return snap
+
+
+def record_inflight(snap: Snapshot, event: ev.Event) -> None:
+    """A learner's message taken by the core after the cut: channel state, while its channel is open."""
+    learner = getattr(event, "learner", None)
+    if learner not in snap.open:
+        return
+    if isinstance(event, ev.Disconnect):
+        snap.open.discard(learner)
+        snap.left_out[learner] = f"left before its local state arrived ({event.reason})"
+        return
+    fields = {}
+    for f in dataclasses.fields(event):
+        value = getattr(event, f.name)
+        if isinstance(value, codecs.Encoded):
+            body = b"".join(bytes(memoryview(a).cast("B")) for a in ([value.scales] if value.scales is not None else []) + [value.data])
+            sha = hashlib.sha256(body).hexdigest()
+            _write(snap.directory / INFLIGHT_DIR / sha, [body])
+            value = {"codec": value.codec.value, "block": value.block, "elements": value.elements, "sha256": sha}
+        elif isinstance(value, tuple):
+            value = list(value)
+        fields[f.name] = value
+    snap.inflight.append({"learner": learner, "kind": type(event).__name__, "fields": fields})
+
+
+def local_state(snap: Snapshot, learner: int, data: bytes, sha256: str) -> str | None:
+    """Learner `learner`'s state arrived: store it and close its channel. Returns what is wrong, if anything."""
+    if learner not in snap.open:
+        return f"learner {learner} is not a channel of snapshot {snap.ident} (joined after the cut, or already in)"
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        snap.open.discard(learner)
+        snap.left_out[learner] = "its local state did not match its sha256 (damaged in transit)"
+        return f"learner {learner}: local state hashes {got[:16]}, the message says {sha256[:16]}"
+    name = f"learner-{learner}.ddls"
+    _write(snap.directory / name, [data])
+    snap.open.discard(learner)
+    snap.states[learner] = {"file": name, "bytes": len(data), "sha256": got, "name": snap.learners[learner]}
+    return None
+
+
+def complete(snap: Snapshot) -> bool:
+    return not snap.open
+
+
+def finish(snap: Snapshot, now: float, kept: int = SNAPSHOTS_KEPT_DEFAULT) -> Path:
+    """Write the manifest (channels still open are left out, timed out) and rename into place."""
+    for learner in sorted(snap.open):
+        snap.left_out[learner] = "no local state within the snapshot's wait limit"
+    snap.open.clear()
+    files = {snap.syncer_file: _sha256_file(snap.directory / snap.syncer_file)}
+    files |= {s["file"]: s["sha256"] for s in snap.states.values()}
+    for r in snap.inflight:
+        for value in r["fields"].values():
+            if isinstance(value, dict) and "sha256" in value:
+                files[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
+    manifest = {
+        "format": FORMAT, "snapshot": snap.ident, "syncer": snap.syncer_file, **snap.meta,
+        "versions": list(snap.versions), "global_step": snap.global_step, "seconds": round(now - snap.started_at, 3),
+        "learners": {str(k): v for k, v in sorted(snap.states.items())},
+        "left_out": {str(k): v for k, v in sorted(snap.left_out.items())},
+        "inflight": snap.inflight, "files": files,
+    }
+    try:
+        _write(snap.directory / MANIFEST, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)])
+        os.replace(snap.directory, snap.final)
+        _fsync(snap.final.parent)
+        _prune(snap.final.parent, kept)
+    except OSError as exc:
+        raise SnapshotError(f"cannot complete snapshot {snap.ident}: {exc.strerror or exc}") from exc
+    return snap.final
+
+
+def abandon(snap: Snapshot) -> None:
+    shutil.rmtree(snap.directory, ignore_errors=True)
+
+
+def read(directory: Path | str) -> dict:
+    """The manifest of a complete snapshot, every file checked against its sha256."""
+    directory = Path(directory)
+    try:
+        manifest = orjson.loads((directory / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise SnapshotError(f"{directory} is not a complete snapshot: no {MANIFEST}") from None
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise SnapshotError(f"{directory / MANIFEST} cannot be read: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise SnapshotError(f"{directory / MANIFEST} is not snapshot format {FORMAT}")
+    for name, sha in manifest.get("files", {}).items():
+        try:
+            got = _sha256_file(directory / name)
+        except OSError as exc:
+            raise SnapshotError(f"snapshot {directory.name}: {name} is missing or unreadable ({exc.strerror or exc})") from exc
+        if got != sha:
+            raise SnapshotError(f"snapshot {directory.name}: {name} hashes {got[:16]}, the manifest says {sha[:16]} (damaged)")
+    return manifest
+
+
+def local_state_of(directory: Path | str, manifest: dict, name: str) -> bytes | None:
+    """The local state of the learner called `name` in the snapshot (None: it was left out)."""
+    for entry in manifest["learners"].values():
+        if entry["name"] == name:
+            return (Path(directory) / entry["file"]).read_bytes()
+    return None
+
+
+def _write(path: Path, parts: list) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.writelines(parts)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, kept: int) -> None:
+    done = sorted(p for p in root.glob("snap-*") if (p / MANIFEST).exists())
+    for old in done[:-kept]:
+        shutil.rmtree(old, ignore_errors=True)
