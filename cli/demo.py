@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="where logs and checkpoints go (default: a new temp dir)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--snapshot-every-s", type=float, default=0.0,
+                   help="take a consistent snapshot (syncer + learners + messages in flight) every this many seconds "
+                        "into <workdir>/snapshots (also on `ddiloco snapshot URL`)")
+    p.add_argument("--restore", type=Path, metavar="SNAPSHOT_DIR",
+                   help="restart the whole system from a snapshot and train on to the step budget")
     p.add_argument("--record", type=Path, metavar="DIR",
                    help="record the whole run (syncer and learners) for `ddiloco replay DIR --full`")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of loss against tokens, kills marked")
@@ -61,7 +66,7 @@ def config_from_args(args: argparse.Namespace):
         # a short run needs more frequent syncs to show merging at all
         period=args.period or (8 if quick else 24), overlap=args.overlap or (4 if quick else 8),
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, grace_ms_max=args.grace_max_ms,
-        record=args.record,
+        record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
     )
 
 

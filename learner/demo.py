@@ -29,6 +29,7 @@ import numpy as np
 from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.tree import TreeFragments
+from ddiloco.net import snapshot as snapshots
 
 POLL_S = 0.5
 EVAL_WINDOWS = 64
@@ -67,6 +68,10 @@ class DemoConfig:
     # Record the whole run here for `ddiloco replay DIR --full`: the syncer's tape (push payloads by
     # hash only: the replay regenerates them) and one tape per learner incarnation (learner.tape).
     record: Path | None = None
+    # Consistent snapshots (net.snapshot) into <workdir>/snapshots every this many seconds (0: only
+    # on `ddiloco snapshot URL`); `restore` restarts the whole system from one of them.
+    snapshot_every_s: float = 0.0
+    restore: Path | None = None
 
     def __post_init__(self) -> None:
         if self.learners < 1 or self.steps < 10 or self.batch < 1:
@@ -83,6 +88,8 @@ class DemoConfig:
             raise ValueError(f"choice_items must be positive, got {self.choice_items}")
         if self.checkpoint_every_s <= 0:
             raise ValueError("checkpoint_every_s must be positive (the demo resumes from checkpoints)")
+        if self.snapshot_every_s < 0:
+            raise ValueError("snapshot_every_s must be non-negative")
 
 
 @dataclass
@@ -165,6 +172,7 @@ class _Demo:
         self.token_file = work / "token"
         self.token_file.write_text(secrets.token_hex(16) + "\n")
         self.token = self.token_file.read_text().strip()
+        self.restore = _restore_plan(cfg)  # learner name -> its local state file in the snapshot
         self.events: list[dict] = []
         self.catch_up: list[dict] = []
         self.syncer = _start_syncer(cfg, work, self.token_file, port=0, resume=False, starts=1)
@@ -192,7 +200,8 @@ class _Demo:
              "--batch", str(cfg.batch), "--seed", str(cfg.seed * 1000 + lr.index * 10 + lr.restarts),
              "--speed", str(speed), "--model", cfg.model, "--name", f"learner-{lr.index}",
              "--cache-dir", str(self.work / "jax-cache"), "--log-file", str(self.work / f"learner{lr.index}.jsonl"),
-             *(["--record", str(cfg.record / "learners" / f"learner-{lr.index}.{lr.restarts}")] if cfg.record else [])],
+             *(["--record", str(cfg.record / "learners" / f"learner-{lr.index}.{lr.restarts}")] if cfg.record else []),
+             *(["--restore", str(self.restore[f"learner-{lr.index}"])] if lr.restarts == 0 and f"learner-{lr.index}" in self.restore else [])],
             stdout=subprocess.DEVNULL, stderr=log,
         )
         log.close()  # the child holds its own copy
@@ -310,6 +319,9 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
     work = Path(workdir or tempfile.mkdtemp(prefix="ddiloco-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     plan = _chaos_plan(cfg, np.random.default_rng(cfg.seed)) if cfg.chaos else []
+    if cfg.restore is not None:  # faults before the cut happened in the run the snapshot was taken of
+        start = snapshots.read(cfg.restore)["global_step"]
+        plan = [p for p in plan if p[0] >= start]
     if cfg.record is not None:
         _start_recording(cfg)
     view = make_view(out)
@@ -381,6 +393,17 @@ def _report(cfg: DemoConfig, demo: _Demo, work: Path, merge_times: list[float], 
     )
 
 
+def _restore_plan(cfg: DemoConfig) -> dict[str, Path]:
+    """learner name -> its local state in the snapshot to restore from (checked against the manifest)."""
+    if cfg.restore is None:
+        return {}
+    try:
+        manifest = snapshots.read(cfg.restore)
+    except snapshots.SnapshotError as exc:
+        raise ValueError(f"--restore {cfg.restore}: {exc}") from exc
+    return {e["name"]: Path(cfg.restore) / e["file"] for e in manifest["learners"].values()}
+
+
 def _start_recording(cfg: DemoConfig) -> None:
     """An empty recording directory, with run.json saying what was run (the tapes follow)."""
     assert cfg.record is not None
@@ -422,12 +445,18 @@ def _newest_rows(status: dict) -> dict[str, dict]:
 
 def _start_syncer(cfg: DemoConfig, work: Path, token_file: Path, port: int, resume: bool, starts: int) -> _Syncer:
     log_path = work / ("syncer.log" if starts == 1 else f"syncer.{starts}.log")
-    where = ["--resume", str(work / "ckpt")] if resume else [
-        "--checkpoint-dir", str(work / "ckpt"), "--fragments", str(cfg.fragments), "--period", str(cfg.period),
-        "--overlap", str(cfg.overlap), "--quorum", str(cfg.quorum), "--outer-lr", str(cfg.outer_lr),
-        "--outer-momentum", str(cfg.outer_momentum), "--grace-max-ms", str(cfg.grace_ms_max),
-        "--grace-gamma", str(cfg.grace_gamma), "--checkpoint-every-s", str(cfg.checkpoint_every_s),
-    ]
+    if cfg.restore is not None and not resume:  # the syncer's state at the snapshot's cut, its config included
+        where = ["--resume", str(cfg.restore), "--checkpoint-dir", str(work / "ckpt")]
+    elif resume:
+        where = ["--resume", str(work / "ckpt")]
+    else:
+        where = [
+            "--checkpoint-dir", str(work / "ckpt"), "--fragments", str(cfg.fragments), "--period", str(cfg.period),
+            "--overlap", str(cfg.overlap), "--quorum", str(cfg.quorum), "--outer-lr", str(cfg.outer_lr),
+            "--outer-momentum", str(cfg.outer_momentum), "--grace-max-ms", str(cfg.grace_ms_max),
+            "--grace-gamma", str(cfg.grace_gamma), "--checkpoint-every-s", str(cfg.checkpoint_every_s),
+        ]
+    where += ["--snapshot-dir", str(work / "snapshots"), "--snapshot-every-s", str(cfg.snapshot_every_s)]
     if cfg.record is not None:
         where += ["--record", str(cfg.record / ("syncer" if starts == 1 else f"syncer.{starts}")), "--record-no-payloads"]
     with open(log_path, "w") as log:

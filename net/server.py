@@ -525,7 +525,7 @@ class SyncerServer:
     async def _snapshot_timer(self) -> None:
         while not self._stopping.is_set():
             await asyncio.sleep(self.config.snapshot_every_s)
-            if self._snapshot is None and self.state.holds_parameters:
+            if self._snapshot is None and self.state.holds_parameters and self._by_learner:
                 done = asyncio.get_running_loop().create_future()
                 done.add_done_callback(lambda f: f.exception())  # a failure is logged where it happens
                 await self._events.put(_SnapshotStart("timer", done))

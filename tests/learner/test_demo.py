@@ -6,6 +6,7 @@ import math
 
 import pytest
 from ddiloco.cli import main as cli_main
+from ddiloco.net import snapshot as snapshots
 from ddiloco.learner.demo import (
     DemoConfig,
     _chaos_plan,
@@ -46,6 +47,25 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     replayed = json.loads((tmp_path / "replay.json").read_text())
     assert replayed["ok"] and replayed["full"] and replayed["syncers"]["syncer.2"]["final_checked"]
     assert len(replayed["learners"]) >= 2 and replayed["updates_checked"] > 0
+
+
+def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
+    first = DemoConfig(learners=2, steps=40, batch=4, chaos=False, baseline=False, snapshot_every_s=1.5,
+                       checkpoint_every_s=0.5, choice_items=16)
+    run_demo(first, tmp_path / "first", out=open(tmp_path / "first.txt", "w"))
+    taken = sorted(p for p in (tmp_path / "first" / "snapshots").glob("snap-*")
+                   if len(snapshots.read(p)["learners"]) == 2 and snapshots.read(p)["global_step"] > 0)
+    assert taken, "a snapshot with both learners in it"
+    manifest = snapshots.read(taken[0])
+
+    again = DemoConfig(learners=2, steps=40, batch=4, chaos=False, baseline=False, restore=taken[0], choice_items=16)
+    report = run_demo(again, tmp_path / "again", out=open(tmp_path / "again.txt", "w"))
+
+    syncer_log = (tmp_path / "again" / "syncer.log").read_text()
+    assert f"resumed from {manifest['syncer']}" in syncer_log and f"global step {manifest['global_step']}" in syncer_log
+    for i in range(2):  # each learner went on from its own local state at the cut
+        assert "from a snapshot's local state" in (tmp_path / "again" / f"learner{i}.log").read_text()
+    assert report.merges > manifest["merges"] and math.isfinite(report.eval_loss)
 
 
 def test_chaos_plan_is_seeded_by_step_and_the_syncer_kill_leaves_the_rest_alone():
