@@ -180,9 +180,12 @@ class DilocoSync:
             self._answer(params, req)
         for q, update in sorted(updates.items()):
             params = self._apply(params, q, update)
-        self.client.progress(
-            session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
-        )
+        if min(self.versions) >= 0:
+            # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
+            # every fragment yet has weight 0 and reports once it does (which makes it live).
+            self.client.progress(
+                session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
+            )
         take_markers = getattr(self.client, "take_markers", None)
         for snapshot in take_markers() if take_markers is not None else ():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the

@@ -181,6 +181,9 @@ class SyncerClient:
                 # id for this connection before then). The reader sets `welcomed`.
                 self.welcomed.clear()
                 writer = asyncio.create_task(self._write_loop(ws))
+                # A writer that fails (a bug: a message that does not encode) must not leave a
+                # connection that reads but never sends: close it, and the failure surfaces below.
+                writer.add_done_callback(lambda t: t.cancelled() or t.exception() is None or asyncio.ensure_future(ws.close()))
                 try:
                     await self._read_loop(ws)
                 finally:
