@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, default=1.0, help="outer learning rate (default 1.0: plain averaging)")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="outer Nesterov momentum (default 0)")
     p.add_argument("--grace-max-ms", type=float, default=1000.0, help="cap of the adaptive grace window")
+    p.add_argument("--grace-gamma", type=float, default=0.5, help="share of the slack the grace window waits (default 0.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="where logs and checkpoints go (default: a new temp dir)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
@@ -65,7 +66,7 @@ def config_from_args(args: argparse.Namespace):
         restart_delay_s=1.0 if quick else 3.0, pause_s=1.0 if quick else 3.0,
         # a short run needs more frequent syncs to show merging at all
         period=args.period or (8 if quick else 24), overlap=args.overlap or (4 if quick else 8),
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, grace_ms_max=args.grace_max_ms,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
         record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
     )
 
