@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,6 +239,16 @@ def encode_with_feedback(
     target = x + state.residual
     payload = encode(target, codec, block)
     return payload, FeedbackState(residual=target - parse(payload).decode())
+
+
+def warm_up(codecs: Iterable[Codec | str], block: int = kernels.BLOCK_DEFAULT) -> None:
+    """Compile (or load from numba's disk cache) the kernels that encoding and decoding with these
+    codecs run, serial and parallel drivers alike. A learner calls this before it joins: a kernel
+    compiled on first use holds the GIL for seconds (tens on a cold cache), which starves the
+    network thread until the syncer drops it as a reader that stopped reading."""
+    for c in {parse_codec(c) for c in codecs} | {Codec.BF16}:
+        for n in (4 * block, -(-kernels.PARALLEL_ELEMENTS_MIN // block) * block):
+            parse(encode(np.linspace(-1.0, 1.0, n, dtype=np.float32), c, block)).decode()
 
 
 def _check_vector(x: np.ndarray) -> np.ndarray:

@@ -54,7 +54,7 @@ def _from_bf16_parallel(u, outbits, bounds):
 
 def to_bf16(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """uint16[n] bfloat16 bit patterns of float32[n] `x` (round to nearest even; NaN stays NaN)."""
-    _checks.vector("x", x, np.float32)
+    x = _checks.vector("x", x, np.float32)
     out = _checks.out_vector(out, np.uint16, x.size)
     _checks.disjoint(out=out, x=x)
     xbits = x.view(np.uint32)
@@ -67,7 +67,7 @@ def to_bf16(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
 
 def from_bf16(u: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """float32[n] from uint16[n] bfloat16 bit patterns (exact: every bfloat16 is a float32)."""
-    _checks.vector("u", u, np.uint16)
+    u = _checks.vector("u", u, np.uint16)
     out = _checks.out_vector(out, np.float32, u.size)
     _checks.disjoint(out=out, u=u)
     outbits = out.view(np.uint32)

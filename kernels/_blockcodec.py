@@ -35,7 +35,7 @@ class BlockCodec:
 
     def quantize(self, x: np.ndarray, block: object) -> tuple[np.ndarray, np.ndarray]:
         block = _checks.block_size(block, self.per_byte)
-        _checks.vector("x", x, np.float32)
+        x = _checks.vector("x", x, np.float32)
         blocks = _checks.blocked_length("x", x.size, block)
         codes = np.empty(x.size // self.per_byte, dtype=np.uint8)
         scales = np.empty(blocks, dtype=np.float32)
@@ -51,7 +51,7 @@ class BlockCodec:
         return codes, scales
 
     def dequantize(self, codes: np.ndarray, scales: np.ndarray, block: object, out: np.ndarray | None) -> np.ndarray:
-        block, n = _checks.coded(codes, scales, block, self.per_byte)
+        block, n, codes, scales = _checks.coded(codes, scales, block, self.per_byte)
         out = _checks.out_vector(out, np.float32, n)
         _checks.disjoint(out=out, codes=codes, scales=scales)
         serial, parallel = self.dequantize_loops
@@ -64,7 +64,7 @@ class BlockCodec:
     def accumulate(self, acc: np.ndarray, weight: object, codes: np.ndarray, scales: np.ndarray, block: object) -> None:
         _checks.vector("acc", acc, np.float32, writeable=True)
         weight = _checks.finite_scalar("weight", weight)
-        block, n = _checks.coded(codes, scales, block, self.per_byte, acc.size)
+        block, n, codes, scales = _checks.coded(codes, scales, block, self.per_byte, acc.size)
         _checks.disjoint(acc=acc, codes=codes, scales=scales)
         serial, parallel = self.accumulate_loops
         if use_parallel(n):

@@ -1,7 +1,10 @@
 """Validation shared by the kernel wrappers: every check runs before a loop touches memory.
 
 Each function raises KernelInputError naming the argument; none of them copies or converts, because a
-silent conversion would hide a caller's bug and cost a pass over the data.
+silent conversion would hide a caller's bug and cost a pass over the data. An input the kernels only
+read comes back as a read-only view: numba compiles a read-only array as a type of its own, and
+payloads are read-only views into the bytes received, so passing every input read-only means one
+compiled version per kernel, the one warmup() compiles, whoever calls.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ BLOCK_DEFAULT = 128
 
 
 def vector(name: str, a: object, dtype: np.dtype | type, *, writeable: bool = False) -> np.ndarray:
-    """`a` as it is, provided it is a 1-D C-contiguous ndarray of exactly `dtype`."""
+    """`a`, provided it is a 1-D C-contiguous ndarray of exactly `dtype`: itself when it is written
+    in place (`writeable`), else a read-only view of it (see the module docstring)."""
     if not isinstance(a, np.ndarray):
         raise KernelInputError(f"{name} must be a numpy array, got {type(a).__name__}")
     if a.ndim != 1:
@@ -30,7 +34,11 @@ def vector(name: str, a: object, dtype: np.dtype | type, *, writeable: bool = Fa
         raise KernelInputError(f"{name} must be C-contiguous (got a strided view)")
     if writeable and not a.flags.writeable:
         raise KernelInputError(f"{name} is written in place and must be writeable")
-    return a
+    if writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def length(name: str, a: np.ndarray, expected: int) -> None:
@@ -74,29 +82,31 @@ def non_negative_finite(name: str, v: np.ndarray, value_max: float) -> None:
         raise KernelInputError(f"{name} must be finite and non-negative")
 
 
-def coded(codes: object, scales: object, block: object, per_byte: int, elements: int | None = None) -> tuple[int, int]:
+def coded(
+    codes: object, scales: object, block: object, per_byte: int, elements: int | None = None
+) -> tuple[int, int, np.ndarray, np.ndarray]:
     """Validate a block-coded vector: `per_byte` codes per uint8 byte, one float32 scale per block.
 
     `elements` is the length the caller needs (that of `acc`), or None to take it from the scales.
     Scales must be finite and non-negative: the quantizers never produce anything else, so a
-    violation means a corrupt payload. Returns (block, elements).
+    violation means a corrupt payload. Returns (block, elements, codes, scales), the arrays read-only.
     """
     block = block_size(block, per_byte)
-    vector("codes", codes, np.uint8)
-    vector("scales", scales, np.float32)
+    codes = vector("codes", codes, np.uint8)
+    scales = vector("scales", scales, np.float32)
     if elements is None:
         elements = scales.size * block
     else:
         length("scales", scales, blocked_length("acc", elements, block))
     length("codes", codes, elements // per_byte)
     non_negative_finite("scales", scales, FLOAT32_MAX)
-    return block, elements
+    return block, elements, codes, scales
 
 
-def offsets(name: str, o: object, n: int) -> int:
+def offsets(name: str, o: object, n: int) -> tuple[int, np.ndarray]:
     """Segment boundaries: start at 0, never decrease, end at most at `n` (padding may follow).
-    Returns the number of segments."""
-    vector(name, o, np.int64)
+    Returns the number of segments and the boundaries, read-only."""
+    o = vector(name, o, np.int64)
     if o.size < 1:
         raise KernelInputError(f"{name} must hold at least one boundary (0)")
     if o[0] != 0:
@@ -105,7 +115,7 @@ def offsets(name: str, o: object, n: int) -> int:
         raise KernelInputError(f"{name} must be non-decreasing")
     if o[-1] > n:
         raise KernelInputError(f"{name} ends at {int(o[-1])}, past the {n} elements of the data")
-    return o.size - 1
+    return o.size - 1, o
 
 
 def out_vector(out: object, dtype: np.dtype | type, elements: int) -> np.ndarray:

@@ -52,7 +52,7 @@ def accumulate(acc: np.ndarray, weight: float, x: np.ndarray) -> None:
     """acc += float32(weight) * x in place; acc and x are float32[n] and must not overlap."""
     _checks.vector("acc", acc, np.float32, writeable=True)
     weight = _checks.finite_scalar("weight", weight)
-    _checks.vector("x", x, np.float32)
+    x = _checks.vector("x", x, np.float32)
     _checks.length("x", x, acc.size)
     _checks.disjoint(acc=acc, x=x)
     w32 = np.float32(weight)
@@ -64,7 +64,7 @@ def accumulate(acc: np.ndarray, weight: float, x: np.ndarray) -> None:
 
 def count_nonfinite(x: np.ndarray) -> int:
     """How many values of float32[n] `x` are NaN or +-Inf (one read-only pass, no temporaries)."""
-    _checks.vector("x", x, np.float32)
+    x = _checks.vector("x", x, np.float32)
     xbits = x.view(np.uint32)
     if use_parallel(x.size):
         return int(_count_nonfinite_parallel(xbits, slice_bounds(x.size, CHUNK_ELEMENTS)))

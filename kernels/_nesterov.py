@@ -39,7 +39,7 @@ def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, 
     """One outer step in place on float32[n] `theta` and momentum `buf`, with outer gradient `g`."""
     _checks.vector("theta", theta, np.float32, writeable=True)
     _checks.vector("buf", buf, np.float32, writeable=True)
-    _checks.vector("g", g, np.float32)
+    g = _checks.vector("g", g, np.float32)
     _checks.length("buf", buf, theta.size)
     _checks.length("g", g, theta.size)
     lr = _checks.finite_scalar("lr", lr)

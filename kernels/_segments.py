@@ -267,8 +267,8 @@ def _reduce(partial: np.ndarray, piece_segment: np.ndarray, segments: int) -> np
 
 def segment_sumsq(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """float64[k]: sum of squares of each tensor x[offsets[i]:offsets[i+1]], accumulated in float64."""
-    _checks.vector("x", x, np.float32)
-    segments = _checks.offsets("offsets", offsets, x.size)
+    x = _checks.vector("x", x, np.float32)
+    segments, offsets = _checks.offsets("offsets", offsets, x.size)
     end = int(offsets[-1])
     if end == 0:
         return np.zeros(segments, dtype=np.float64)
@@ -287,8 +287,8 @@ def segment_sumsq_int4(
 
     Each value counts as code * scale exactly (the float32 decode rounds that product; the sums
     differ by at most a float32 rounding per value)."""
-    block, n = _checks.coded(codes, scales, block, 2)
-    segments = _checks.offsets("offsets", offsets, n)
+    block, n, codes, scales = _checks.coded(codes, scales, block, 2)
+    segments, offsets = _checks.offsets("offsets", offsets, n)
     end = int(offsets[-1])
     if end == 0:
         return np.zeros(segments, dtype=np.float64)
@@ -300,14 +300,16 @@ def segment_sumsq_int4(
     return _reduce(partial, piece_segment, segments)
 
 
-def _check_rda(acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray) -> tuple[float, int]:
+def _check_rda(
+    acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray
+) -> tuple[float, int, np.ndarray, np.ndarray]:
     _checks.vector("acc", acc, np.float32, writeable=True)
     weight = _checks.finite_scalar("weight", weight)
-    segments = _checks.offsets("offsets", offsets, acc.size)
-    _checks.vector("norms", norms, np.float64)
+    segments, offsets = _checks.offsets("offsets", offsets, acc.size)
+    norms = _checks.vector("norms", norms, np.float64)
     _checks.length("norms", norms, segments)
     _checks.non_negative_finite("norms", norms, np.inf)
-    return weight, int(offsets[-1])
+    return weight, int(offsets[-1]), offsets, norms
 
 
 def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray) -> None:
@@ -315,8 +317,8 @@ def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.nd
 
     The factor weight / norms[i] and its product with x are float64; each term is rounded to float32
     once before it is added."""
-    weight, end = _check_rda(acc, weight, offsets, norms)
-    _checks.vector("x", x, np.float32)
+    weight, end, offsets, norms = _check_rda(acc, weight, offsets, norms)
+    x = _checks.vector("x", x, np.float32)
     _checks.length("x", x, acc.size)
     _checks.disjoint(acc=acc, x=x, offsets=offsets, norms=norms)
     if end == 0:
@@ -337,8 +339,8 @@ def rda_accumulate_int4(
     block: int = _checks.BLOCK_DEFAULT,
 ) -> None:
     """rda_accumulate of the int4-coded vector, fused: acc[seg] += weight * code * scale / norms[i]."""
-    weight, end = _check_rda(acc, weight, offsets, norms)
-    block, _ = _checks.coded(codes, scales, block, 2, acc.size)
+    weight, end, offsets, norms = _check_rda(acc, weight, offsets, norms)
+    block, _, codes, scales = _checks.coded(codes, scales, block, 2, acc.size)
     _checks.disjoint(acc=acc, codes=codes, scales=scales, offsets=offsets, norms=norms)
     if end == 0:
         return

@@ -44,4 +44,6 @@ def _run_all(n: int) -> None:
 def warmup() -> None:
     """Compile every kernel, serial and parallel drivers alike (a few MiB of scratch, freed after)."""
     _run_all(4 * BLOCK_DEFAULT)
-    _run_all(-(-PARALLEL_ELEMENTS_MIN // BLOCK_DEFAULT) * BLOCK_DEFAULT)
+    # One block more than the threshold: the segment kernels go parallel on where the last
+    # segment ends, which is half a block before the end here.
+    _run_all((-(-PARALLEL_ELEMENTS_MIN // BLOCK_DEFAULT) + 1) * BLOCK_DEFAULT)

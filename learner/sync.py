@@ -68,6 +68,7 @@ class DilocoSync:
         snapshots: Any = None,
     ):
         self.config = config
+        codec.warm_up([config.codec])  # before joining: see codec.warm_up
         # `tape` (a learner.tape.LearnerTapeWriter) records what the hook takes from the network;
         # `recover_fn` and `snapshots` are how a replay (learner.replay) stands in for the peers.
         self.tape = tape

@@ -35,8 +35,47 @@ def test_slice_bounds_of_nothing_and_bad_requests():
     assert SLICES_MAX == 64
 
 
-def test_warmup_runs():
+def _compiled_versions():
+    import numba
+
+    from ddiloco.kernels import _bf16, _dense, _int1, _int2, _int4, _nesterov, _segments
+
+    return {f"{m.__name__}.{k}": len(v.signatures) for m in (_bf16, _dense, _int1, _int2, _int4, _nesterov, _segments)
+            for k, v in vars(m).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_after_warmup_no_input_compiles_another_version(frozen):
+    # Payloads are read-only views into received bytes; numba types a read-only array apart, so a
+    # kernel first called with one would compile (holding the GIL for seconds) in the middle of a merge.
     kernels.warmup()
+    before = _compiled_versions()
+
+    def as_received(a):
+        if frozen:
+            a = np.frombuffer(a.tobytes(), dtype=a.dtype)
+        return a
+
+    for n in (512, 1 << 17):
+        x = as_received(np.linspace(-1.0, 1.0, n, dtype=np.float32))
+        acc = np.zeros(n, dtype=np.float32)
+        offsets = as_received(np.array([0, n // 2, n], dtype=np.int64))
+        for quantize, dequantize, accumulate in ((kernels.quantize_int4, kernels.dequantize_int4, kernels.accumulate_int4),
+                                                 (kernels.quantize_int2, kernels.dequantize_int2, kernels.accumulate_int2),
+                                                 (kernels.quantize_int1, kernels.dequantize_int1, kernels.accumulate_int1)):
+            codes, scales = (as_received(a) for a in quantize(x))
+            dequantize(codes, scales)
+            accumulate(acc, 0.5, codes, scales)
+        codes, scales = (as_received(a) for a in kernels.quantize_int4(x))
+        norms = as_received(np.sqrt(kernels.segment_sumsq(x, offsets)))
+        kernels.segment_sumsq_int4(codes, scales, offsets)
+        kernels.rda_accumulate(acc, 0.5, x, offsets, norms)
+        kernels.rda_accumulate_int4(acc, 0.5, codes, scales, offsets, norms)
+        kernels.from_bf16(as_received(kernels.to_bf16(x)))
+        kernels.accumulate(acc, 0.5, x)
+        kernels.all_finite(x)
+        kernels.nesterov_step(acc, np.zeros(n, dtype=np.float32), x, 0.7, 0.9)
+    assert _compiled_versions() == before
 
 
 def test_spawned_child_computes_the_same_bits():
