@@ -104,7 +104,7 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     caught_up_s = None
     tokens_per_step = cfg.batch * cfg.model.seq
     log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file else None
-    started, steps, ce = time.monotonic(), 0, float("nan")
+    started, steps, ce, ce_array = time.monotonic(), 0, float("nan"), None
     stop = _stop_on_sigterm()
     try:
         while sync.step_count < cfg.steps_total and not stop and not (replay and replay.done(sync.calls)):
@@ -123,6 +123,8 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
                     "t": round(time.monotonic() - started, 3), "learner": sync.learner_id, "step": sync.step_count,
                     "loss": ce, "versions": sync.versions, "applied": sync.merged_versions_applied,
                 }) + "\n")
+        if ce_array is not None:  # the summary's loss is that of the last step taken
+            ce = float(ce_array)
         if writer is not None:
             writer.close(sync.calls, sync.step_count, sync.params_sha256(params))
     finally:

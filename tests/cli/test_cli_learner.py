@@ -1,6 +1,7 @@
 """`ddiloco learner` processes against a `ddiloco syncer` process, as a user runs them."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def test_two_learner_processes_train_through_the_syncer(tmp_path, start_syncer):
         for p, (out, err) in zip(learners, outs):
             assert p.returncode == 0, err[-2000:]
             summary = json.loads(out.strip().splitlines()[-1])
-            assert summary["last_step"] >= 100 and summary["applied"] > 0
+            assert summary["last_step"] >= 100 and summary["applied"] > 0 and math.isfinite(summary["loss"])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
             status = json.loads(r.read())
         assert status["merges"] > 0 and status["init_source"].startswith("learner ")

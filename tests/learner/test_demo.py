@@ -50,7 +50,8 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
 
 
 def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
-    first = DemoConfig(learners=2, steps=40, batch=4, chaos=False, baseline=False, snapshot_every_s=1.5,
+    # Long enough for several snapshots while both learners train (they do ~25 steps/s here).
+    first = DemoConfig(learners=2, steps=160, batch=4, chaos=False, baseline=False, snapshot_every_s=0.5,
                        checkpoint_every_s=0.5, choice_items=16)
     run_demo(first, tmp_path / "first", out=open(tmp_path / "first.txt", "w"))
     taken = sorted(p for p in (tmp_path / "first" / "snapshots").glob("snap-*")
@@ -58,7 +59,7 @@ def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
     assert taken, "a snapshot with both learners in it"
     manifest = snapshots.read(taken[0])
 
-    again = DemoConfig(learners=2, steps=40, batch=4, chaos=False, baseline=False, restore=taken[0], choice_items=16)
+    again = DemoConfig(learners=2, steps=manifest["global_step"] + 40, batch=4, chaos=False, baseline=False, restore=taken[0], choice_items=16)
     report = run_demo(again, tmp_path / "again", out=open(tmp_path / "again.txt", "w"))
 
     syncer_log = (tmp_path / "again" / "syncer.log").read_text()

@@ -66,6 +66,10 @@ def _live(port, name, not_id=None):
     return [r["id"] for r in _status(port)["learners"] if r["name"] == name and r["status"] == "live" and r["id"] != not_id]
 
 
+def _step(port, learner_id):
+    return next(r["step"] for r in _status(port)["learners"] if r["id"] == learner_id)
+
+
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("replay-full")
@@ -82,11 +86,14 @@ def recording(tmp_path_factory):
         _wait("three merges", lambda: _status(port)["merges"] >= 3)
         b.send_signal(signal.SIGKILL)
         b.wait(30)
-        step = _status(port)["global_step"]
-        b1 = _learner(tmp_path, rec, port, "b.1", "1/2", 3, step + 24)
+        # b.1 copies a's step, which runs on while b.1 compiles: it trains until told to stop.
+        b1 = _learner(tmp_path, rec, port, "b.1", "1/2", 3, 10**6)
         procs.append(b1)
-        _wait("b rejoined", lambda: _live(port, "b", not_id=first_b))
-        assert b1.wait(DEADLINE_S) == 0, (tmp_path / "b.1.log").read_text()[-3000:]
+        (b1_id,) = _wait("b rejoined", lambda: _live(port, "b", not_id=first_b))
+        rejoined_at = _step(port, b1_id)
+        _wait("24 steps of b after rejoining", lambda: _step(port, b1_id) >= rejoined_at + 24)
+        b1.send_signal(signal.SIGTERM)
+        assert b1.wait(60) == 0, (tmp_path / "b.1.log").read_text()[-3000:]
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait(60) == 0, (tmp_path / "a.0.log").read_text()[-3000:]
     finally:
