@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jax
 import numpy as np
 from ddiloco.core import codec
 from ddiloco.core.layout import layout_from_description
@@ -161,6 +162,12 @@ class DilocoSync:
         Give `opt_state` to let (re)joining peers copy the optimizer state too."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
+        # The step boundary is where this step's parameters exist. With JAX's asynchronous dispatch
+        # a loop runs steps ahead of the device, and a request then waits both for the loop to come
+        # round and for the queue to drain: measured in the demo, a push left 350 ms (3.5 steps)
+        # after its request arrived, half the pushes missed their grace window and 47% of tokens
+        # were merged; waiting here, 85 ms and 93%.
+        jax.block_until_ready(params)
         self.step_count += 1
         self.calls += 1
         for q in range(len(self.steps)):
