@@ -224,6 +224,11 @@ class _Demo:
             lr = self._target(i)
             if lr is None:
                 continue
+            if self._up() <= 1:
+                # At most all but one learner down at a time, as a disruption budget would have it:
+                # a fault on the last one running is a full outage, which no syncer can merge through.
+                plan = sorted(plan + [(self.step + 1, action, i)])
+                break
             if action == "kill":
                 lr.proc.send_signal(signal.SIGKILL)
                 lr.killed_at = now
@@ -235,13 +240,20 @@ class _Demo:
             self.view.note(f"chaos: {action} learner {lr.index} at {now:.1f} s")
         return plan
 
+    def _up(self) -> int:
+        return sum(1 for lr in self.learners if self._is_up(lr))
+
+    @staticmethod
+    def _is_up(lr: _Learner) -> bool:
+        down = lr.killed_at is not None or lr.restarted_at is not None or lr.paused_until is not None
+        return not (down or lr.done or lr.stopping or lr.proc.poll() is not None)
+
     def _target(self, i: int) -> _Learner | None:
         """Learner i, or the next one after it that is running and caught up: a fault aimed at a
         learner that is still restarting would only lengthen the same outage."""
         for k in range(len(self.learners)):
             lr = self.learners[(i + k) % len(self.learners)]
-            down = lr.killed_at is not None or lr.restarted_at is not None or lr.paused_until is not None
-            if not (down or lr.done or lr.stopping or lr.proc.poll() is not None):
+            if self._is_up(lr):
                 return lr
         return None
 
