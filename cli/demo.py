@@ -21,12 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", choices=["dp", "none"], default="dp", help="train a data-parallel baseline (default dp)")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--batch", type=int, default=8, help="per-learner batch (default 8)")
-    p.add_argument("--period", type=int, help="H, steps between two syncs of one fragment (default 24; 8 with --quick)")
-    p.add_argument("--overlap", type=int, help="tau, steps a fragment may stay in flight (default 8; 4 with --quick)")
+    p.add_argument("--period", type=int, help="H, steps between two syncs of one fragment (default 12; 8 with --quick)")
+    p.add_argument("--overlap", type=int, help="tau, steps a fragment may stay in flight (default 4)")
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--quorum", type=int, default=1, help="K, minimum learners per merge")
     p.add_argument("--outer-lr", type=float, default=1.0, help="outer learning rate (default 1.0: plain averaging)")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="outer Nesterov momentum (default 0)")
+    p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="how the syncer merges outer gradients (default rda)")
     p.add_argument("--grace-max-ms", type=float, default=1000.0, help="cap of the adaptive grace window")
     p.add_argument("--grace-gamma", type=float, default=0.5, help="share of the slack the grace window waits (default 0.5)")
     p.add_argument("--seed", type=int, default=0)
@@ -65,8 +66,8 @@ def config_from_args(args: argparse.Namespace):
         seed=args.seed, model=args.model,
         restart_delay_s=1.0 if quick else 3.0, pause_s=1.0 if quick else 3.0,
         # a short run needs more frequent syncs to show merging at all
-        period=args.period or (8 if quick else 24), overlap=args.overlap or (4 if quick else 8),
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
+        period=args.period or (8 if quick else 12), overlap=args.overlap or 4,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, merge=args.merge, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
         record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
     )
 

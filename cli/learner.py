@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", default="0/1", help="I/N: this learner's share of the training data")
     p.add_argument("--name", help="learner name in the syncer's status (default: learner-I)")
     p.add_argument("--steps", type=int, default=200, help="global step budget (default 200)")
+    p.add_argument("--schedule-steps", type=int,
+                   help="length of the learning-rate schedule in steps (default: --steps); past it the rate stays at its floor")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         shard=shard,
         token=read_token_file(args.token_file) if args.token_file else None,
         model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
-        train=model.TrainConfig(total_steps=max(args.steps, 21)),
+        train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
         batch=args.batch,
         seed=args.seed,
         codec=args.codec,

@@ -18,7 +18,9 @@ from ddiloco.learner.demo import (
 
 
 def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_full(tmp_path):
-    cfg = DemoConfig(learners=2, steps=60, batch=4, kills=1, pauses=1, restart_delay_s=1.0, pause_s=1.0, seed=1,
+    # Slowed down: at full speed these tiny learners would train their whole step cap while the
+    # syncer restarts, and end before the learner's kill comes due.
+    cfg = DemoConfig(learners=2, steps=60, batch=4, kills=1, pauses=0, restart_delay_s=1.0, seed=1, speeds=(0.4, 0.4),
                      kill_syncer=True, checkpoint_every_s=0.5, choice_items=32, record=tmp_path / "rec")
     report = run_demo(cfg, tmp_path, out=open(tmp_path / "live.txt", "w"))
     assert report.kills == 1 and report.recoveries == 1  # the killed learner was started again
