@@ -71,6 +71,9 @@ class Inbox:
     # What arrived after a marker the training loop has not taken yet: held back until it has
     # recorded its local state, so that the state never reflects a message sent after the cut.
     held: deque = field(default_factory=deque)
+    # Items delivered so far, held ones included: a training loop that finds it unchanged since its
+    # last take has nothing to take, and skips the round trip to the network thread.
+    deliveries: int = 0
 
 
 class SyncerClient:
@@ -220,6 +223,7 @@ class SyncerClient:
             log.warning("not merging the syncer's clock: %s", exc)
 
     def _deliver(self, item: object) -> None:
+        self.inbox.deliveries += 1
         if self.inbox.markers and isinstance(item, (session.RequestInfo, session.UpdateInfo, session.MarkerInfo)):
             self.inbox.held.append(item)
             return
@@ -280,6 +284,7 @@ class ThreadedClient:
         self._ready = threading.Event()
         self._welcomes_seen = 0  # welcomes the caller has seen: stamps what it sends (see queue_progress)
         self._markers: list[int] = []  # collected by `_take` on the loop, given out by `take_markers`
+        self._taken: tuple[int, tuple] | None = None  # (inbox deliveries, welcomes) as of the last `_take`
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -337,12 +342,17 @@ class ThreadedClient:
         """(requests, updates by fragment, errors) that arrived since the last call, and
         (number of welcomes so far, the latest welcome)."""
         self._check()
+        if self._taken is not None and self._taken[0] == self._client.inbox.deliveries:
+            # Nothing arrived since: most steps. Waiting for the network thread to be scheduled
+            # costs milliseconds on busy cores (measured: about 4 ms a step on 2 shared cores).
+            return [], {}, [], self._taken[1]
         fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
-        taken = fut.result()
+        *taken, deliveries = fut.result()
+        self._taken = (deliveries, taken[3])
         self._welcomes_seen = taken[3][0]
-        return taken
+        return tuple(taken)
 
-    async def _take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
+    async def _take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None], int]:
         box = self._client.inbox
         requests, updates, errors = list(box.requests), dict(box.updates), list(box.errors)
         box.requests.clear()
@@ -354,7 +364,8 @@ class ThreadedClient:
         box.held.clear()
         for item in held:  # after the marker: for the next take (held again behind a later marker)
             self._client._deliver(item)
-        return requests, updates, errors, (box.welcomes, box.welcome)
+        # Re-delivered held items counted above: the next take comes back here for them.
+        return requests, updates, errors, (box.welcomes, box.welcome), box.deliveries - len(held)
 
     def _check(self) -> None:
         """A refused client has no loop left to talk to: say why, every time it is used."""
