@@ -11,7 +11,7 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, default=4)
-    p.add_argument("--steps", type=int, help="global step budget (default 400; 60 with --quick)")
+    p.add_argument("--steps", type=int, help="the budget in data-parallel steps: the learners train steps x learners x batch x 64 tokens in all, in up to 2 x steps global steps (default 400; 60 with --quick)")
     p.add_argument("--quick", action="store_true", help="a short run (about half a minute of training)")
     p.add_argument("--no-chaos", action="store_true", help="no kills and no pauses")
     p.add_argument("--kills", type=int, default=3, help="learner kills (default 3; 1 with --quick)")
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="take a consistent snapshot (syncer + learners + messages in flight) every this many seconds "
                         "into <workdir>/snapshots (also on `ddiloco snapshot URL`)")
     p.add_argument("--restore", type=Path, metavar="SNAPSHOT_DIR",
-                   help="restart the whole system from a snapshot and train on to the step budget")
+                   help="restart the whole system from a snapshot and train on to the token budget")
     p.add_argument("--record", type=Path, metavar="DIR",
                    help="record the whole run (syncer and learners) for `ddiloco replay DIR --full`")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of loss against tokens, kills marked")
