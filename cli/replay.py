@@ -89,6 +89,8 @@ def _full(args: argparse.Namespace) -> dict:
         end = "final parameters checked" if r.final_checked else "killed: no final parameters to check"
         print(f"learner {r.name}: {r.calls} calls, {r.pushes} pushes, {r.inits} initial fragments, "
               f"{r.published} snapshots for peers; {end}" + (f"; DIVERGED: {r.divergence}" if r.divergence else ""))
+    for name in result.never_joined:
+        print(f"learner {name}: stopped before the syncer welcomed it; it sent nothing, nothing to re-execute")
     for name, s in result.syncers:
         _print_syncer(s, name)
     print(f"fragment versions applied by learners, found in the syncer's replay: {result.updates_checked}"
@@ -96,5 +98,5 @@ def _full(args: argparse.Namespace) -> dict:
     return {
         "ok": result.ok, "full": True, "state_hash": result.state_hash, "divergence_text": result.divergence,
         "learners": [vars(r) for r in result.learners], "syncers": {n: _result_json(s) for n, s in result.syncers},
-        "updates_checked": result.updates_checked,
+        "updates_checked": result.updates_checked, "never_joined": result.never_joined,
     }

@@ -59,6 +59,9 @@ class FullResult:
     updates_note: str = ""
     divergence: str | None = None
     init_bodies: list = field(default_factory=list)
+    # Incarnations stopped before the syncer welcomed them (a restart cut short by the end of the
+    # run): they sent nothing, so nothing of the run depends on them and there is nothing to re-execute.
+    never_joined: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -228,6 +231,8 @@ def replay_full(directory: Path | str, cache_dir: Path | None = None) -> FullRes
         raise tapes.TapeError(f"{directory} is not a recorded demo: it needs {SYNCER_DIR}/ and {LEARNERS_DIR}/*/ tapes "
                               "(written by `ddiloco demo --record DIR`)")
     out = FullResult()
+    out.never_joined = [t.directory.name for t in learners if not t.of("welcome")]
+    learners = [t for t in learners if t.of("welcome")]
     bodies: dict[str, bytes] = {}
     for tape in learners:
         log.info("re-executing learner %s (%d calls)", tape.directory.name, tape.last_call)

@@ -114,9 +114,13 @@ def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording):
     # The syncer's tape names pushes by hash only: nothing but re-executing the learners gives them back.
     assert not tapes.read(rec / "syncer").header["keep_payloads"]
 
+    # A restart cut short by the end of the run: its tape has a header and nothing else.
+    ltapes.LearnerTapeWriter.create(rec / "learners" / "c.0", ltapes.read(rec / "learners" / "b.1").config).abandon()
+
     result = full.replay_full(rec, cache_dir=tmp_path / "jax-cache")
 
     assert result.ok, result.divergence
+    assert result.never_joined == ["c.0"]
     by_name = {r.name: r for r in result.learners}
     assert set(by_name) == {"a.0", "b.0", "b.1"}
     assert by_name["a.0"].published >= 1 and by_name["a.0"].final_checked and by_name["b.1"].final_checked
