@@ -41,11 +41,11 @@ STEPS_CAP_FACTOR = 2  # learners stop at this many times `steps` global steps, b
 @dataclass(frozen=True)
 class DemoConfig:
     learners: int = 4
-    steps: int = 300  # global steps; every learner trains until the syncer's step count reaches it
+    steps: int = 300  # the budget in data-parallel steps (see token_budget); the schedule's length too
     batch: int = 8
     fragments: int = 4
-    # H: steps between two syncs of one fragment. Measured with `ddiloco demo --no-chaos` (eval loss,
-    # DP 2.220): H = 12 2.309 / 2.371, H = 24 2.359 / 2.478; syncing more often tracks DP closer.
+    # H: steps between two syncs of one fragment. Measured with `ddiloco demo --no-chaos --baseline
+    # none` on a 400-step budget (eval loss, DP 2.220): H = 12 2.309 / 2.371, H = 24 2.359 / 2.478.
     period: int = 12
     # tau: steps a fragment may stay in flight; a request is answered within about a step (85 ms
     # median of a ~100 ms step with 4 learners on 2 cores), and 4 steps leave the grace window room.
@@ -312,7 +312,9 @@ class _Demo:
         the data-parallel baseline trains on (`steps` x learners x batch x sequence); under chaos the
         learners need more global steps to train it (a killed learner trains nothing until it is
         back), up to STEPS_CAP_FACTOR x `steps`."""
-        if not status or (trained_tokens(status) < self.cfg.token_budget and status["global_step"] < self.cfg.steps * STEPS_CAP_FACTOR):
+        if not status:
+            return
+        if trained_tokens(status) < self.cfg.token_budget and status["global_step"] < self.cfg.steps * STEPS_CAP_FACTOR:
             return
         for lr in self.learners:
             if not lr.done and not lr.stopping and lr.proc.poll() is None and lr.killed_at is None:
