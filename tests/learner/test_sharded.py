@@ -15,12 +15,10 @@ so the sharded part runs in a child Python started on this same file with four f
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,18 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import build_layout
 from ddiloco.learner import recovery
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tree import TreeFragments, leaf_path, tensor_specs
 from ddiloco.net import peer
-from ddiloco.net.server import ServerConfig, SyncerServer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DEVICES = 4
-TOKEN = "sharded-test-token-0123456789"
 CHILD_TIMEOUT_S = 180  # ~10 s on 2 shared cores; generous for a loaded machine
 MERGE_DEADLINE_S = 90
 RESULT_PREFIX = "SHARDED-RESULT "
@@ -163,37 +158,6 @@ def check_tree(checks: Checks, committed: bool) -> None:
                             f"{tag}: scatter(alpha={alpha}) wrote wrong values into {path}")
 
 
-class Syncer:
-    """The real syncer daemon on its own event loop in a thread (as tests/learner/conftest.py does)."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.server = SyncerServer(syncer.new_state(SyncerConfig(**fields)), ServerConfig(port=0, auth_token=TOKEN))
-        ready = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        assert ready.wait(30), "the syncer did not start"
-        self.url = f"ws://127.0.0.1:{self.server.port}/ws"
-
-    def merges(self) -> int:
-        async def read() -> int:
-            return self.server.state.merges
-
-        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(30)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(checkpoint=False), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-
-
 def check_sync_and_recovery(checks: Checks, result: dict) -> None:
     params = make_params(1)
     update = jax.jit(lambda ps: jax.tree.map(lambda x: (x - 0.01).astype(x.dtype), ps))
@@ -202,7 +166,11 @@ def check_sync_and_recovery(checks: Checks, result: dict) -> None:
     params = update(update(params))
     cache_size = getattr(update, "_cache_size", lambda: -1)  # jax's private counter; -1: not there
     original, compiled = params, cache_size()
-    daemon = Syncer(num_fragments=2, period=2, quorum=1)
+    # The child runs this file as a script, so this directory is on its path (pytest's importlib mode
+    # does not put it there for the parent, which never gets here).
+    from conftest import TOKEN, ThreadedSyncer
+
+    daemon = ThreadedSyncer(SyncerConfig(num_fragments=2, period=2, quorum=1))
     sync = DilocoSync(params, SyncConfig(url=daemon.url, name="sharded", token=TOKEN))
     try:
         deadline, steps = time.monotonic() + MERGE_DEADLINE_S, 0
@@ -213,7 +181,7 @@ def check_sync_and_recovery(checks: Checks, result: dict) -> None:
             steps += 1
             time.sleep(0.005)
         result |= {"steps": steps, "merged_versions_applied": sync.merged_versions_applied,
-                   "versions": list(sync.versions), "merges": daemon.merges()}
+                   "versions": list(sync.versions), "merges": daemon.read(lambda state: state.merges)}
         check_placements(checks, "params after sync.step", params, original)
         finite = all(bool(np.isfinite(np.asarray(jax.device_get(x), dtype=np.float32)).all()) for x in jax.tree.leaves(params))
         checks.that(finite, "params after sync.step hold non-finite values")
