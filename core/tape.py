@@ -37,7 +37,6 @@ import math
 import os
 import struct
 import typing
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ import orjson
 from ddiloco.core import checkpoint
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
+from ddiloco.core.checksum import crc32
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.syncer import SyncerState, state_hash
 from ddiloco.core.vclock import VClock
@@ -241,8 +241,8 @@ def merge_check(index: int, state: SyncerState, fragment: int) -> dict:
 
 
 def _frame(body: bytes) -> bytes:
-    head = struct.pack("<II", len(body), zlib.crc32(body))
-    return head + struct.pack("<I", zlib.crc32(head))
+    head = struct.pack("<II", len(body), crc32(body))
+    return head + struct.pack("<I", crc32(head))
 
 
 def payload_parts(enc: codecs.Encoded) -> list[memoryview]:
@@ -371,7 +371,7 @@ def _frames(data: bytes, offset: int) -> tuple[list[tuple[int, bytes]], int, str
         if end - offset < _FRAME.size:
             return out, offset, f"torn tail at offset {offset}: {end - offset} bytes of a record header, cut"
         length, body_crc, head_crc = _FRAME.unpack_from(data, offset)
-        if zlib.crc32(data[offset : offset + 8]) != head_crc:
+        if crc32(data[offset : offset + 8]) != head_crc:
             raise TapeError(f"corrupt record header at offset {offset} (checksum mismatch)")
         if length > RECORD_BYTES_MAX:
             raise TapeError(f"record at offset {offset} claims {length} bytes, above the limit of {RECORD_BYTES_MAX}")
@@ -379,7 +379,7 @@ def _frames(data: bytes, offset: int) -> tuple[list[tuple[int, bytes]], int, str
         if stop > end:
             return out, offset, f"torn tail at offset {offset}: record of {length} bytes, only {end - offset - _FRAME.size} present, cut"
         body = data[offset + _FRAME.size : stop]
-        if zlib.crc32(body) != body_crc:
+        if crc32(body) != body_crc:
             if stop == end:
                 return out, offset, f"torn tail at offset {offset}: the last record fails its checksum, cut"
             raise TapeError(f"corrupt record at offset {offset} ({length} bytes): checksum mismatch in the middle of the tape")

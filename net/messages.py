@@ -28,6 +28,7 @@ import functools
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import ClassVar
 
@@ -93,9 +94,8 @@ class _Body:
     KIND: ClassVar[Kind]
 
     def __post_init__(self) -> None:
-        for name, hint in _field_hints(type(self)).items():
-            value = _normalise(f"{type(self).__name__}.{name}", getattr(self, name), hint)
-            object.__setattr__(self, name, value)
+        for name, where, normalise in _field_plan(type(self)):
+            object.__setattr__(self, name, normalise(where, getattr(self, name)))
         self._check()
 
     def _check(self) -> None:
@@ -361,34 +361,60 @@ def _meta_names(cls: type) -> tuple[str, ...]:
     return tuple(name for name in _field_hints(cls) if name != "payload")
 
 
-def _normalise(where: str, value: object, hint: object) -> object:
-    """Check `value` against the annotation `hint`; return it in its canonical form (tuple for
-    a list, enum member for its value, byte memoryview for a buffer)."""
+@functools.cache
+def _field_plan(cls: type) -> tuple[tuple[str, str, Callable[[str, object], object]], ...]:
+    """(field, its name in error texts, its normaliser) for every field of `cls`: worked out once
+    per kind, since every message sent or received runs it (and error texts are built only on
+    failure for the same reason)."""
+    return tuple((name, f"{cls.__name__}.{name}", _normaliser(name, hint)) for name, hint in _field_hints(cls).items())
+
+
+def _normaliser(name: str, hint: object) -> Callable[[str, object], object]:
+    """The function that checks a value against the annotation `hint` and returns it in its
+    canonical form (tuple for a list, enum member for its value, byte memoryview for a buffer)."""
     if hint is int:
-        return _check_int(where, value)
+        return _check_int
     if hint is bool:
-        _require(type(value) is bool, f"{where} must be a bool, got {_show(value)}")
-        return value
+        return _check_bool
     if hint is str:
-        _require(type(value) is str, f"{where} must be a str, got {_show(value)}")
-        return value
+        return _check_str
     if hint is memoryview:
-        return _byte_view(where, value)
+        return _byte_view
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return _enum_member(where, value, hint)
+        return functools.partial(_enum_member, enum_type=hint)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is types.UnionType and args == (int, type(None)):
-        return None if value is None else _check_int(where, value)
+        return _check_optional_int
     if origin is tuple and args == (int, Ellipsis):
-        _require(type(value) in (list, tuple),
-                 f"{where} must be a list of ints, got {_show(value)}")
-        for i, item in enumerate(value):
-            if type(item) is not int or not 0 <= item <= INT_MAX:
-                _check_int(f"{where}[{i}]", item)  # raises, naming the entry
-        return tuple(value)
+        return _check_int_tuple
     if origin is dict and args == (str, int):
-        return _clock(where, value)
-    raise AssertionError(f"{where}: no rule for annotation {hint!r}")
+        return _clock
+    raise AssertionError(f"{name}: no rule for annotation {hint!r}")
+
+
+def _check_bool(where: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{where} must be a bool, got {_show(value)}")
+    return value
+
+
+def _check_str(where: str, value: object) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{where} must be a str, got {_show(value)}")
+    return value
+
+
+def _check_optional_int(where: str, value: object) -> int | None:
+    return None if value is None else _check_int(where, value)
+
+
+def _check_int_tuple(where: str, value: object) -> tuple[int, ...]:
+    if type(value) not in (list, tuple):
+        raise ValueError(f"{where} must be a list of ints, got {_show(value)}")
+    for i, item in enumerate(value):
+        if type(item) is not int or not 0 <= item <= INT_MAX:
+            _check_int(f"{where}[{i}]", item)  # raises, naming the entry
+    return tuple(value)
 
 
 def _check_int(where: str, value: object) -> int:
@@ -399,14 +425,16 @@ def _check_int(where: str, value: object) -> int:
 
 
 def _clock(where: str, value: object) -> dict[str, int]:
-    _require(type(value) is dict, f"{where} must be an object of str to int, got {_show(value)}")
+    if type(value) is not dict:
+        raise ValueError(f"{where} must be an object of str to int, got {_show(value)}")
     for key in value:
-        _require(type(key) is str and key != "", f"{where} has a bad key {_show(key)}")
+        if type(key) is not str or key == "":
+            raise ValueError(f"{where} has a bad key {_show(key)}")
         _check_int(f"{where}[{key!r}]", value[key])
     return dict(value)  # a copy: the sender's dict may change after the message is built
 
 
-def _enum_member(where: str, value: object, enum_type: type[enum.Enum]) -> enum.Enum:
+def _enum_member(where: str, value: object, *, enum_type: type[enum.Enum]) -> enum.Enum:
     if isinstance(value, enum_type):
         return value
     wire_type = int if issubclass(enum_type, int) else str

@@ -29,12 +29,12 @@ closed after sending the error.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from ddiloco.core.checksum import crc32
 from ddiloco.net.messages import (
     BULK_KINDS,
     CLASS_OF_KIND,
@@ -211,7 +211,7 @@ def _fill_data(data: memoryview, meta: bytes, payload: memoryview, offset: int) 
 
 
 def _frame_crc(frame: memoryview | bytes) -> int:
-    return zlib.crc32(frame[HEADER_BYTES:], zlib.crc32(frame[:CRC_OFFSET]))
+    return crc32(frame[HEADER_BYTES:], crc32(frame[:CRC_OFFSET]))
 
 
 def _check_sizes(kind: Kind, meta_bytes: int, payload_bytes: int, limits: WireLimits) -> None:
