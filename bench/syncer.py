@@ -5,9 +5,12 @@ connect over loopback websockets and do no training: each pre-encodes one outer 
 fragment and, as fast as the syncer lets it, reports a step, answers every request with a push and
 takes every update. So the figures are the syncer's (and loopback's) own limits.
 
-Reported: merges/s, payload GB/s in, p50/p99 round latency (round open to merge), the share of
-wall time spent in the core (merge kernels and outer step), and the syncer's peak RSS against the
-fp32 size of the model.
+Reported: merges/s, payload GB/s in and out, p50/p99 round latency (round open to merge), the share
+of wall time spent in the core (merge kernels and outer step), and the syncer's peak RSS against the
+fp32 size of the model. The baseline, measured in the same run before the syncer starts: what
+loopback websockets carry on this machine when as many processes push frames of the syncer's size
+to an aiohttp server that only counts them (`wire_ceiling_gbps`). The syncer's traffic in and out
+is reported as a share of it.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ class SyncerBenchConfig:
     broadcast_codec: str = "fp32"
     merge: str = "rda"
     step_hz: float = 50.0  # how often each learner reports a step (rounds open at this rate)
+    ceiling_seconds: float = 4.0  # how long the baseline's processes push
 
     def __post_init__(self) -> None:
-        if self.learners < 1 or self.params < 1024 or self.fragments < 1 or self.seconds <= 0 or self.step_hz <= 0:
+        if (self.learners < 1 or self.params < 1024 or self.fragments < 1 or self.seconds <= 0 or self.step_hz <= 0
+                or self.ceiling_seconds <= 0):
             raise ValueError(f"bad syncer bench config {self}")
 
 
@@ -93,13 +98,75 @@ def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: 
     out.put(asyncio.run(main()))
 
 
+def _pusher_main(url: str, frame_bytes: int, seconds: float, out) -> None:
+    """One process of the ceiling: push `frame_bytes` binary frames for `seconds`, as fast as it goes."""
+    import aiohttp
+
+    async def main() -> int:
+        frame, sent = bytes(frame_bytes), 0
+        async with aiohttp.ClientSession() as http, http.ws_connect(url, max_msg_size=0) as ws:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                await ws.send_bytes(frame)
+                sent += frame_bytes
+            await ws.close()
+        return sent
+
+    out.put(asyncio.run(main()))
+
+
+def wire_ceiling(processes: int, frame_bytes: int, seconds: float) -> float:
+    """GB/s that `processes` spawned clients push over loopback websockets to a server that counts
+    them and does nothing else: what this machine's loopback and aiohttp allow the syncer at most."""
+    from aiohttp import WSMsgType, web
+
+    async def main() -> float:
+        received = [0, None, None]  # bytes, first and last arrival
+
+        async def ws_handler(request: web.Request) -> web.WebSocketResponse:
+            ws = web.WebSocketResponse(max_msg_size=0)
+            await ws.prepare(request)
+            async for msg in ws:
+                if msg.type is WSMsgType.BINARY:
+                    now = time.perf_counter()
+                    received[0] += len(msg.data)
+                    received[1] = received[1] or now
+                    received[2] = now
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/ws", ws_handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_pusher_main, args=(f"ws://127.0.0.1:{port}/ws", frame_bytes, seconds, out), daemon=True)
+                 for _ in range(processes)]
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+        first, last = received[1], received[2]
+        return received[0] / (last - first) / 1e9 if first is not None and last > first else 0.0
+
+    return asyncio.run(main())
+
+
 def run_syncer_bench(config: SyncerBenchConfig) -> dict:
     from ddiloco import kernels
     from ddiloco.core import syncer
     from ddiloco.core.config import SyncerConfig
-    from ddiloco.net.server import ServerConfig, SyncerServer
+    from ddiloco.net.server import ServerConfig, SyncerServer, use_uvloop
 
+    use_uvloop()  # the daemon's loop (the ceiling's server runs on it too)
     kernels.warmup()
+    from ddiloco.net.wire import FRAME_BYTES_MAX_DEFAULT
+
+    ceiling = wire_ceiling(config.learners, FRAME_BYTES_MAX_DEFAULT, config.ceiling_seconds)
     rss_before = _rss_now()
     core_cfg = SyncerConfig(
         num_fragments=config.fragments, period=config.fragments, merge=config.merge,
@@ -128,18 +195,20 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
             if not any(p.is_alive() for p in procs):
                 raise RuntimeError("every learner process exited before the first merge")
         t0, m0, b0, c0 = time.perf_counter(), server.state.merges, server.metrics.bytes_in, server.metrics.merge_kernel_s
+        o0 = server.metrics.bytes_out
         samples_before = len(server.metrics.round_samples_s)
         while any(p.is_alive() for p in procs):
             await asyncio.sleep(0.1)
         wall = time.perf_counter() - t0
         merges = server.state.merges - m0
         bytes_in = server.metrics.bytes_in - b0
+        bytes_out = server.metrics.bytes_out - o0
         kernel_s = server.metrics.merge_kernel_s - c0
         rounds = list(server.metrics.round_samples_s)[samples_before:]
         results = [out.get(timeout=10) for _ in procs]
         await server.stop(checkpoint=False)
         return {
-            "merges": merges, "wall_s": wall, "bytes_in": bytes_in, "kernel_s": kernel_s, "rounds": rounds,
+            "merges": merges, "wall_s": wall, "bytes_in": bytes_in, "bytes_out": bytes_out, "kernel_s": kernel_s, "rounds": rounds,
             "learners": results, "rejected": dict(server.state.rejections),
         }
 
@@ -152,6 +221,9 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "config": asdict(config),
         "merges_per_s": raw["merges"] / raw["wall_s"],
         "payload_gbps_in": raw["bytes_in"] / raw["wall_s"] / 1e9,
+        "gbps_out": raw["bytes_out"] / raw["wall_s"] / 1e9,
+        "wire_ceiling_gbps": ceiling,
+        "traffic_over_ceiling": (raw["bytes_in"] + raw["bytes_out"]) / raw["wall_s"] / 1e9 / ceiling if ceiling else float("nan"),
         "round_p50_ms": 1000 * statistics.median(rounds),
         "round_p99_ms": 1000 * rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))],
         "kernel_share": raw["kernel_s"] / raw["wall_s"],
@@ -183,6 +255,9 @@ def format_report(r: dict) -> str:
         ("measured", f"{r['wall_s']:.1f} s, {r['merges']} merges, {r['pushes']} pushes"),
         ("merges/s", f"{r['merges_per_s']:.2f}"),
         ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
+        ("sent out", f"{r['gbps_out']:.3f} GB/s ({r['gbps_out'] / max(r['payload_gbps_in'], 1e-12):.1f} bytes out per byte in)"),
+        ("wire ceiling", (f"{r['wire_ceiling_gbps']:.3f} GB/s ({c['learners']} processes pushing to a server that only counts; "
+                          f"the syncer's in + out is {100 * r['traffic_over_ceiling']:.0f}% of it)")),
         ("round latency", f"p50 {r['round_p50_ms']:.1f} ms, p99 {r['round_p99_ms']:.1f} ms"),
         ("core share", f"{100 * r['kernel_share']:.1f}% of wall time in merges (kernels + outer step)"),
         ("syncer peak RSS", f"{r['syncer_peak_rss_bytes'] / 2**20:.0f} MiB = {r['rss_over_fp32_model']:.2f}x the fp32 model "

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     )
     tape = _open_tape(args, state, log)
     daemon = server.SyncerServer(state, server_config, tape=tape)
-    _use_uvloop()
+    server.use_uvloop()
     asyncio.run(daemon.serve_forever())
     return 0
 
@@ -163,9 +163,3 @@ def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
     return writer
 
 
-def _use_uvloop() -> None:
-    try:
-        import uvloop
-    except ImportError:  # not on every platform; asyncio's own loop works too
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

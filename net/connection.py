@@ -54,6 +54,7 @@ class Connection:
     bytes_out: int = 0
     frames_out: int = 0
     closed: bool = False
+    sent: Callable[[int], None] | None = None  # told the size of every frame written (the server's totals)
 
     def send_control(self, frames: Sequence[bytes]) -> None:
         if len(self.control) + len(frames) > self.limits.control_frames_queued_max:
@@ -113,3 +114,5 @@ class Connection:
                     self.in_send = False
                 self.bytes_out += len(frame)
                 self.frames_out += 1
+                if self.sent is not None:
+                    self.sent(len(frame))

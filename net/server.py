@@ -122,6 +122,16 @@ class _SnapshotTimeout:
     snapshot: int
 
 
+def use_uvloop() -> None:
+    """Run the event loops made from here on with uvloop, the syncer's loop; a platform without
+    it keeps asyncio's own, which works too."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 class SyncerServer:
     """The daemon. `await start()`, then `port` is known; `await stop()` ends it cleanly."""
 
@@ -401,7 +411,7 @@ class SyncerServer:
             raise web.HTTPServiceUnavailable(text="syncer shutting down\n")
         ws = web.WebSocketResponse(max_msg_size=self.config.wire.max_msg_size, heartbeat=self.config.heartbeat_s)
         await ws.prepare(request)
-        conn = Connection(next(self._conn_ids), ws, self.config.queues)
+        conn = Connection(next(self._conn_ids), ws, self.config.queues, sent=self._count_sent)
         self._conns[conn.conn_id] = conn
         reassembler = wire.Reassembler(self.config.wire)
         writer = asyncio.create_task(self._write(conn), name=f"ddiloco-writer-{conn.conn_id}")
@@ -486,6 +496,10 @@ class SyncerServer:
                 await self._events.put(Disconnect(conn.learner, reason))
 
     # ---- HTTP -----------------------------------------------------------------------------------
+
+    def _count_sent(self, frame_bytes: int) -> None:
+        self.metrics.bytes_out += frame_bytes
+        self.metrics.frames_out += 1
 
     def _authorized(self, request: web.Request) -> bool:
         return self.config.auth_token is not None and bearer_matches(request.headers.get("Authorization"), self.config.auth_token)
