@@ -90,21 +90,29 @@ def _rda(parts: list[Contribution], weights: list[float], fragment: FragmentSpec
         c.payload.rda_accumulate_into(acc, w, offsets, norms)
     direction = np.sqrt(kernels.segment_sumsq(acc, offsets))
     fallback = []
-    for i, seg in enumerate(fragment.segments):
+    for i in range(k):
         if embedding[i]:
             continue
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         if direction[i] < RDA_DIRECTION_NORM_MIN:
-            fallback.append(seg.tensor.path)
-            acc[lo:hi] = _segment_mean(parts, weights, lo, hi)
+            fallback.append(i)
         else:
             acc[lo:hi] *= np.float32(radial[i] / direction[i])
-    return tuple(fallback)
+    if fallback:
+        _segment_means(parts, weights, offsets, fallback, acc)
+    return tuple(fragment.segments[i].tensor.path for i in fallback)
 
 
-def _segment_mean(parts: list[Contribution], weights: list[float], lo: int, hi: int) -> np.ndarray:
-    """The rare fall-back: plain weighted mean of one tensor (decodes each contribution once)."""
-    out = np.zeros(hi - lo, dtype=np.float64)
+def _segment_means(parts: list[Contribution], weights: list[float], offsets: np.ndarray, segments: list[int],
+                   acc: np.ndarray) -> None:
+    """The fall-back: plain weighted mean of the given tensors into `acc`, decoding each
+    contribution once for all of them (a fragment whose outer gradients are all zero, say frozen
+    tensors, falls back on every tensor)."""
+    spans = [(int(offsets[i]), int(offsets[i + 1])) for i in segments]
+    out = [np.zeros(hi - lo, dtype=np.float64) for lo, hi in spans]
     for c, w in zip(parts, weights):
-        out += w * c.payload.decode()[lo:hi].astype(np.float64)
-    return out.astype(np.float32)
+        values = c.payload.decode()
+        for o, (lo, hi) in zip(out, spans):
+            o += w * values[lo:hi].astype(np.float64)
+    for o, (lo, hi) in zip(out, spans):
+        acc[lo:hi] = o.astype(np.float32)

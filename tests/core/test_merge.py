@@ -87,6 +87,32 @@ def test_rda_falls_back_to_mean_when_direction_vanishes():
     np.testing.assert_allclose(got[128:], v[128:], rtol=1e-5)
 
 
+def test_rda_falls_back_on_several_tensors_with_the_weighted_mean_of_each():
+    frag = one_fragment([128, 256, 128])
+    rng = np.random.default_rng(2)
+    v = rng.standard_normal(512).astype(np.float32)
+    w = rng.standard_normal(512).astype(np.float32)
+    w[:128], w[384:] = -v[:128], -v[384:]  # tensors 0 and 2 cancel exactly (equal weights: direction 0)
+    got, info = merge([contrib(1, 1.0, v), contrib(2, 1.0, w)], frag, "rda")
+    assert info.mean_fallback_tensors == ("t0", "t2")
+    np.testing.assert_allclose(got[:128], 0.0, atol=1e-6)
+    np.testing.assert_allclose(got[384:], 0.0, atol=1e-6)
+    zero = np.zeros(512, dtype=np.float32)
+    got, info = merge([contrib(1, 1.0, zero), contrib(2, 3.0, zero.copy())], frag, "rda")
+    assert info.mean_fallback_tensors == ("t0", "t1", "t2")  # all-zero outer gradients: every tensor
+    np.testing.assert_array_equal(got, 0.0)
+    a, b, c = zero.copy(), zero.copy(), zero.copy()
+    # weights 1:1:2 and tensor 0's directions +, +, -: their weighted unit vectors cancel, so it
+    # takes the weighted mean of the values (1 + 3 - 2 * 0.5) / 4; tensor 2 is zero in all three
+    a[:128], b[:128], c[:128] = 1.0, 3.0, -0.5
+    a[128:384] = b[128:384] = c[128:384] = v[128:384]
+    got, info = merge([contrib(1, 1.0, a), contrib(2, 1.0, b), contrib(3, 2.0, c)], frag, "rda")
+    assert info.mean_fallback_tensors == ("t0", "t2")
+    np.testing.assert_allclose(got[:128], 0.75, rtol=1e-5)
+    np.testing.assert_allclose(got[128:384], v[128:384], rtol=1e-5)
+    np.testing.assert_array_equal(got[384:], 0.0)
+
+
 def test_int4_contributions_merge_like_their_decoded_values():
     rng = np.random.default_rng(2)
     frag = one_fragment([500, 12])
