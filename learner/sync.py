@@ -43,6 +43,8 @@ class SyncConfig:
     peer: PeerConfig | None = None
     recover_timeout_s: float = 60.0  # fetching a peer's snapshot, per peer tried
     snapshot_bytes_max: int = 16 << 30  # the largest peer snapshot accepted
+    # Progress reports at most this often while no fragment arrives (net.client.ClientConfig).
+    progress_interval_s: float = 0.05
 
     def __post_init__(self) -> None:
         codec.parse_codec(self.codec)
@@ -83,7 +85,7 @@ class DilocoSync:
         try:
             self.client = transport if transport is not None else ThreadedClient(
                 ClientConfig(url=config.url, name=config.name, tensors=tensor_specs(params, is_embedding), token=config.token,
-                             peer_url=peer_url)
+                             peer_url=peer_url, progress_interval_s=config.progress_interval_s)
             )
             welcome = self.client.wait_welcome(config.welcome_timeout_s)
         except BaseException:

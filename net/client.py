@@ -19,7 +19,9 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,6 +31,9 @@ from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import session, wire
 
 log = logging.getLogger("ddiloco.client")
+
+
+PROGRESS_INTERVAL_S_MAX = 5.0  # beyond this the syncer's view of the step lags too far behind
 
 
 class SyncerRefused(RuntimeError):
@@ -47,6 +52,14 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     heartbeat_s: float = 20.0  # websocket ping interval; a syncer silent for half of it is gone
     progress_queued_max: int = 64  # coalesced beyond this: only the newest progress matters
+    # `ThreadedClient.progress` forwards at most one report per this many seconds while the held
+    # versions stay the same (the counters only grow, so a newer report says all an older one
+    # did); the newest one held back goes out when the interval ends. Each report forwarded costs
+    # this thread, and the syncer, CPU that a training step on shared cores then lacks
+    # (`ddiloco bench learner`). A report under new held versions goes at once, after the last
+    # one under the old versions (the ledger's count of the tokens trained under them). 0: every
+    # report is forwarded.
+    progress_interval_s: float = 0.05
     pushes_queued_max: int = 2  # outer gradients waiting to go out (one in flight per fragment)
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
 
@@ -55,6 +68,8 @@ class ClientConfig:
             raise ValueError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
         if not 0 < self.reconnect_s_min <= self.reconnect_s_max:
             raise ValueError("need 0 < reconnect_s_min <= reconnect_s_max")
+        if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
+            raise ValueError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
 
 
 @dataclass
@@ -276,10 +291,19 @@ class SyncerClient:
 class ThreadedClient:
     """A `SyncerClient` on a background thread with its own event loop.
 
-    Every method is safe to call from the training thread and returns at once."""
+    Every method is safe to call from the training thread and returns at once. `clock` (seconds,
+    monotonic) paces progress reports (ClientConfig.progress_interval_s)."""
 
-    def __init__(self, config: ClientConfig):
+    def __init__(self, config: ClientConfig, clock: Callable[[], float] = time.monotonic):
         self._loop = asyncio.new_event_loop()
+        self._clock = clock
+        self._interval_s = config.progress_interval_s
+        # The newest progress report held back, (welcomes, report): a deque of one, since its
+        # append and popleft are atomic between this thread and the loop's.
+        self._held: deque = deque(maxlen=1)
+        self._forwarded_at = float("-inf")  # on `clock`, by the training thread
+        self._forwarded_versions: tuple[int, ...] | None = None
+        self._flush_armed = False  # on the loop: a timer will forward what is held
         self._client: SyncerClient | None = None
         self._ready = threading.Event()
         self._welcomes_seen = 0  # welcomes the caller has seen: stamps what it sends (see queue_progress)
@@ -318,8 +342,50 @@ class ThreadedClient:
         return self._client.inbox.welcomes, self._client.inbox.welcome
 
     def progress(self, item: session.ProgressInfo) -> None:
+        """Report progress; forwarded to the network thread at most once per interval while the
+        held versions stay the same (most steps then cost no wake-up of that thread at all)."""
         self._check()
-        self._loop.call_soon_threadsafe(self._client.queue_progress, item, self._welcomes_seen)
+        now = self._clock()
+        if item.versions == self._forwarded_versions and now - self._forwarded_at < self._interval_s:
+            self._held.append((self._welcomes_seen, item, now))
+            return
+        held = self._take_held()
+        if held is not None and held[1].versions != item.versions:
+            self._loop.call_soon_threadsafe(self._forward, held[0], held[1])  # the last under the old versions
+        self._loop.call_soon_threadsafe(self._forward, self._welcomes_seen, item)
+        self._forwarded_at, self._forwarded_versions = now, item.versions
+
+    def _take_held(self) -> tuple[int, session.ProgressInfo, float] | None:
+        try:
+            return self._held.popleft()
+        except IndexError:
+            return None
+
+    def _forward(self, welcomes: int, item: session.ProgressInfo) -> None:
+        """On the loop: queue a report, and watch for one held back meanwhile."""
+        self._client.queue_progress(item, welcomes)
+        self._arm_flush(self._interval_s)
+
+    def _arm_flush(self, delay_s: float) -> None:
+        if self._interval_s > 0 and not self._flush_armed:
+            self._flush_armed = True
+            self._loop.call_later(delay_s, self._flush_held)
+
+    def _flush_held(self) -> None:
+        """On the loop: a report held back for a whole interval goes out (the training loop has
+        not called since, or steps more slowly than the interval); a younger one is left to be
+        superseded by the next call, and looked at again when it would be that old."""
+        self._flush_armed = False
+        try:
+            age = self._clock() - self._held[0][2]
+        except IndexError:
+            return  # nothing held: the next report forwarded arms the timer again
+        if age < self._interval_s:
+            self._arm_flush(self._interval_s - age)
+            return
+        held = self._take_held()  # this one, or a newer one put there since: the newest either way
+        if held is not None:
+            self._forward(held[0], held[1])
 
     def push(self, item: session.PushInfo) -> None:
         self._check()

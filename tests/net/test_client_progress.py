@@ -1,0 +1,94 @@
+"""ThreadedClient's progress pacing: fewer reports forwarded, never the last one under a version."""
+
+import threading
+import time
+
+import pytest
+from ddiloco.net import session
+from ddiloco.net.client import ClientConfig, ThreadedClient
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(step: int, versions=(0, 0)) -> session.ProgressInfo:
+    return session.ProgressInfo(step, tuple(versions), (step, step), (10 * step, 10 * step))
+
+
+@pytest.fixture
+def paced():
+    """A client (to a port nobody listens on: it only retries) with a fake clock, and a function
+    returning the steps queued for sending so far."""
+    clients = []
+
+    def make(interval: float):
+        clock = FakeClock()
+        tc = ThreadedClient(ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=(), progress_interval_s=interval),
+                            clock=clock)
+        clients.append(tc)
+
+        def queued() -> list[int]:
+            done = threading.Event()
+            tc._loop.call_soon_threadsafe(done.set)  # everything forwarded before this has run
+            assert done.wait(5)
+            return [p.step for _, p in tc.client._progress]
+
+        return tc, clock, queued
+
+    yield make
+    for tc in clients:
+        tc.close()
+
+
+def test_zero_interval_forwards_every_report(paced):
+    tc, clock, queued = paced(0.0)
+    for step in (1, 2, 3):
+        tc.progress(report(step))
+    assert queued() == [1, 2, 3]
+
+
+def test_reports_under_the_same_versions_are_held_and_the_newest_follows(paced):
+    tc, clock, queued = paced(0.2)
+    tc.progress(report(1))
+    for step in (2, 3, 4):
+        clock.now += 0.01
+        tc.progress(report(step))
+    assert queued() == [1]  # 2..4 held back: no wake-up of the network thread for them
+    time.sleep(0.3)
+    assert queued() == [1]  # the newest is 0.01 s old: it waits for the next call
+    clock.now += 0.5  # the training loop went quiet: the loop's timer forwards what it holds
+    time.sleep(0.3)
+    assert queued() == [1, 4]
+
+
+def test_after_the_interval_the_next_report_goes_at_once(paced):
+    tc, clock, queued = paced(0.2)
+    tc.progress(report(1))
+    clock.now += 0.01
+    tc.progress(report(2))
+    clock.now += 0.3
+    tc.progress(report(3))  # supersedes the held 2
+    assert queued() == [1, 3]
+
+
+def test_the_last_report_under_old_versions_is_never_dropped(paced):
+    tc, clock, queued = paced(5.0)
+    tc.progress(report(7, versions=(3, 4)))
+    clock.now += 0.01
+    tc.progress(report(8, versions=(3, 4)))  # held
+    clock.now += 0.01
+    tc.progress(report(9, versions=(3, 5)))  # fragment 1 arrived: its counters reset
+    # the tokens trained under version 4 (step 8's counters) go out, then the new window's report
+    assert queued() == [7, 8, 9]
+
+
+def test_interval_is_validated():
+    with pytest.raises(ValueError, match="progress_interval_s"):
+        ClientConfig(url="ws://h/ws", name="t", tensors=(), progress_interval_s=-1.0)
+    with pytest.raises(ValueError, match="progress_interval_s"):
+        ClientConfig(url="ws://h/ws", name="t", tensors=(), progress_interval_s=60.0)
