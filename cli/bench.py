@@ -103,7 +103,9 @@ def _syncer_run(args: argparse.Namespace) -> int:
 
 
 def _learner_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=_positive_int, default=200, help="timed steps each way (default 200)")
+    p.add_argument("--steps", type=_positive_int, default=240, help="timed steps each way (default 240)")
+    p.add_argument("--rounds", type=_positive_int, default=20,
+                   help="alternating blocks each way; the overhead is the median over them (default 20)")
     p.add_argument("--batch", type=_positive_int, default=8, help="batch of the reference loop (default 8)")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
@@ -116,7 +118,7 @@ def _learner_run(args: argparse.Namespace) -> int:
     require_learner_extra()
     from ddiloco.bench import learner
 
-    config = learner.LearnerBenchConfig(steps=args.steps, batch=args.batch, model=args.model, codec=args.codec)
+    config = learner.LearnerBenchConfig(steps=args.steps, rounds=args.rounds, batch=args.batch, model=args.model, codec=args.codec)
     print(f"bench learner: {config}", file=sys.stderr)
     result = learner.run_learner_bench(config)
     print(learner.format_report(result))
