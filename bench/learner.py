@@ -13,10 +13,13 @@ because the hook's cost comes in bursts (a step that answers a request copies, q
 a fragment; a block of 12 steps holds two rounds of the default schedule); the median across
 rounds, because this machine's speed drifts by up to 3x over minutes and a round that straddles
 such a change says nothing about the hook. The quartiles of the per-round figures show the spread.
+Beside it, CPU time per step each way, of this process (all its threads: XLA's, the client's) and of
+the syncer's: on 2 shared cores the hook's cost is CPU that the training step then lacks.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import statistics
@@ -105,12 +108,16 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         for _ in range(cfg.warmup_steps):
             one(True)
         times: dict[bool, list[float]] = {True: [], False: []}
+        cpu = {True: [0.0, 0.0], False: [0.0, 0.0]}  # (this process, the syncer's) CPU seconds each way
         ratios = []
         per_block = cfg.steps // cfg.rounds
         for r in range(cfg.rounds):
             block = {}
             for hooked in ((False, True) if r % 2 == 0 else (True, False)):
+                before = (_cpu_s(), _cpu_s(proc.pid))
                 block[hooked] = [one(hooked) for _ in range(per_block)]
+                cpu[hooked][0] += _cpu_s() - before[0]
+                cpu[hooked][1] += _cpu_s(proc.pid) - before[1]
                 times[hooked] += block[hooked]
             ratios.append(statistics.fmean(block[True]) / statistics.fmean(block[False]))
         applied = sync.merged_versions_applied
@@ -131,7 +138,25 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         "overhead_quartiles_pct": [100 * (q - 1) for q in _quartiles(ratios)],
         "overhead_of_means_pct": 100 * (statistics.fmean(hooked) / statistics.fmean(plain) - 1),
         "merged_versions_applied": applied,
+        # CPU time per step, all threads (XLA's, the client's): steadier than wall time when the
+        # machine's speed drifts, and it says where the hook's cost lands
+        "plain_cpu_ms": 1000 * cpu[False][0] / len(plain),
+        "hooked_cpu_ms": 1000 * cpu[True][0] / len(hooked),
+        "syncer_cpu_ms": 1000 * cpu[True][1] / len(hooked),
     }
+
+
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds used so far by this process (pid None) or another one; 0 where /proc is missing."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -149,6 +174,9 @@ def format_report(r: dict) -> str:
         ("without hook", f"mean {r['plain_mean_ms']:.2f} ms, p50 {r['plain_p50_ms']:.2f} ms per step"),
         ("with hook", (f"mean {r['hooked_mean_ms']:.2f} ms, p50 {r['hooked_p50_ms']:.2f} ms per step "
                        f"({r['merged_versions_applied']} merged fragment versions applied)")),
+        ("CPU per step", (f"without hook {r['plain_cpu_ms']:.1f} ms, with hook {r['hooked_cpu_ms']:.1f} ms in this process "
+                          f"and {r['syncer_cpu_ms']:.1f} ms in the syncer's (all threads; "
+                          f"{100 * ((r['hooked_cpu_ms'] + r['syncer_cpu_ms']) / r['plain_cpu_ms'] - 1):+.1f}% in all)")),
         ("overhead", (f"{r['overhead_pct']:+.1f}% of the step time, median of {c['rounds']} rounds (quartiles "
                       f"{r['overhead_quartiles_pct'][0]:+.1f}% / {r['overhead_quartiles_pct'][1]:+.1f}%; of all steps' means "
                       f"{r['overhead_of_means_pct']:+.1f}%); target <= 5%")),
