@@ -72,6 +72,7 @@ class RunConfig:
     seed: int = 0
     codec: str = "int4"
     error_feedback: bool = False  # int4 with a residual kept per fragment on the learner (ours)
+    alpha: float = 0.0  # how an arrived fragment is mixed into the learner's (SyncConfig.alpha)
     step_s: float = 1.0
     step_noise: float = 0.0  # relative spread of each step's duration (lognormal sigma)
     network: NetworkModel = field(default_factory=NetworkModel)
@@ -85,6 +86,8 @@ class RunConfig:
         if self.batch < 1 or self.budget_tokens < self.batch * self.model.seq:
             raise ValueError(f"need batch >= 1 and a budget of at least one batch, got {self.batch}, {self.budget_tokens}")
         codecs.parse_codec(self.codec)
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must lie in [0, 1), got {self.alpha}")
         if self.error_feedback and self.codec == "fp32":
             raise ValueError("error feedback needs a lossy codec")
         if not (self.step_s > 0 and self.step_noise >= 0 and self.eval_every_s >= 0):
@@ -187,7 +190,7 @@ class _Learner:
     def build_hook(self) -> None:
         sync_cfg = SyncConfig(
             url="ws://in-process/ws", name=f"learner-{self.index}", codec=self.run.cfg.codec,
-            error_feedback=self.run.cfg.error_feedback,
+            error_feedback=self.run.cfg.error_feedback, alpha=self.run.cfg.alpha,
         )
         self.sync = DilocoSync(self.params, sync_cfg, transport=self.transport)
         self.transport.flush()  # the initial parameters, when this learner was asked for them

@@ -173,6 +173,35 @@ def test_bad_configuration_is_a_clear_error():
         config(codec="int3")
     with pytest.raises(ValueError, match="target loss"):
         config(target_loss=1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        config(alpha=1.0)
+
+
+def test_alpha_reaches_the_learners():
+    """A mix of the learner's own fragment into the merged one changes what the learners push."""
+    plain, mixed = ex.run(config()), ex.run(config(alpha=0.5))
+    assert plain.merges == mixed.merges > 0
+    assert plain.state_hash != mixed.state_hash
+
+
+def test_demo_settings_default_size_is_the_demos_training():
+    """The experiment claims to be the demo's run: its model, batch, learners, steps, H and tau."""
+    import argparse
+
+    from ddiloco.cli import demo as demo_cli
+    from ddiloco.learner.demo import _model_config
+
+    parser = argparse.ArgumentParser()
+    demo_cli.add_arguments(parser)
+    cfg = demo_cli.config_from_args(parser.parse_args([]))
+    size = experiments.DEFAULT
+    setting = size.demo_setting()
+    assert (setting.model, setting.steps, setting.period, setting.overlap) == (_model_config(cfg), cfg.steps, cfg.period, cfg.overlap)
+    assert (size.batch, size.m, size.fragments) == (cfg.batch, cfg.learners, cfg.fragments)
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.quorum) == (1.0, 0.0, 1)
+    assert experiments.EXPERIMENTS["demo-settings"].model_and_steps(size) == (_model_config(cfg), cfg.steps)  # what the page names
+    # a budget given overrides the steps, as for the other experiments
+    assert replace(size, budget_tokens=4 * 8 * 64 * 10).demo_setting().steps == 10
 
 
 def test_experiment_command_end_to_end(tmp_path, capsys):
@@ -205,7 +234,7 @@ def test_experiment_command_refuses_bad_input(capsys):
     assert "cannot read results from no-such-results.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["dp-vs-decoupled", "failures", "merge", "compression", "hetero", "scavenge"])
+@pytest.mark.parametrize("name", ["dp-vs-decoupled", "failures", "merge", "compression", "hetero", "scavenge", "demo-settings"])
 def test_every_quick_experiment_runs_over_three_seeds(name):
     """At a tiny budget (8 steps per learner): the arms, seeds and summary, not the paper's claim."""
     # dp-vs-decoupled at dense M = 2 only: each M and each model is one more program to compile
