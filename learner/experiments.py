@@ -116,8 +116,8 @@ def metrics(r: ex.RunResult, **extra) -> dict:
 
 
 def data_parallel(size: Size, seed: int, m: int, model: reference.ModelConfig | None = None, goodput: float = 1.0,
-                  wall_s: float | None = None, steps: int | None = None) -> dict:
-    steps = steps or size.steps_for()
+                  wall_s: float | None = None) -> dict:
+    steps = size.steps_for()
     out = ex.run_data_parallel(model or size.dense, size.batch * m, steps, seed, max(21, steps))
     return {"eval_loss": out["eval_loss"], "bits_per_byte": out["bits_per_byte"],
             "choice_accuracy": out["choice_accuracy"], "goodput": goodput,
@@ -295,20 +295,17 @@ def _demo_settings(size: Size) -> list[Arm]:
     virtual clock (steps 10% apart in length), against data-parallel at the same tokens, over seeds.
     The demo itself compares with one data-parallel run of one seed; here both sides have seeds."""
     demo, m = size.demo_setting(), size.m
+    # the demo's budget, schedule length and sync setting, as a size
+    at_demo = replace(size, steps=demo.steps, budget_tokens=None, period=demo.period, overlap=demo.overlap)
     plain = OuterConfig(lr=1.0, momentum=0.0)  # the demo's outer step: plain averaging
 
     def decoupled_arm(period: int, outer: OuterConfig = plain, alpha: float = 0.0):
-        def go(seed, ctx):
-            sc = SyncerConfig(num_fragments=size.fragments, period=period, grace=GraceConfig(overlap=demo.overlap), outer=outer)
-            cfg = ex.RunConfig(learners=(ex.LearnerSpec(),) * m, syncer=sc, model=demo.model, batch=size.batch,
-                               budget_tokens=m * size.batch * demo.model.seq * demo.steps, seed=seed,
-                               inner_steps=max(21, demo.steps), step_noise=0.1, alpha=alpha)
-            return metrics(ex.run(cfg))
-        return go
+        syncer = syncer_config(replace(at_demo, period=period), outer=outer)
+        return lambda seed, ctx: metrics(decoupled(at_demo, seed, m, model=demo.model, syncer=syncer, step_noise=0.1, alpha=alpha))
 
     h, half = demo.period, max(1, demo.period // 2)
     return [
-        Arm("DP", lambda seed, ctx: data_parallel(size, seed, m, demo.model, steps=demo.steps)),
+        Arm("DP", lambda seed, ctx: data_parallel(at_demo, seed, m, demo.model)),
         Arm(f"plain averaging, H = {h} (the demo)", decoupled_arm(h), paper="matches DP"),
         Arm(f"plain averaging, H = {half}", decoupled_arm(half)),
         Arm(f"plain averaging, H = {h}, mix alpha = 0.25", decoupled_arm(h, alpha=0.25)),
