@@ -31,7 +31,7 @@ from ddiloco.core.config import SyncerConfig
 from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.inprocess import Hub, InProcessTransport, NetworkModel, VirtualLoop
-from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.learner.sync import DilocoSync, SyncConfig, check_alpha
 from ddiloco.learner.tree import TreeFragments, tensor_specs
 
 LEARNERS_MAX = 64
@@ -86,8 +86,7 @@ class RunConfig:
         if self.batch < 1 or self.budget_tokens < self.batch * self.model.seq:
             raise ValueError(f"need batch >= 1 and a budget of at least one batch, got {self.batch}, {self.budget_tokens}")
         codecs.parse_codec(self.codec)
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"alpha must lie in [0, 1), got {self.alpha}")
+        check_alpha(self.alpha)  # here, not first when a learner's hook is built mid-run
         if self.error_feedback and self.codec == "fp32":
             raise ValueError("error feedback needs a lossy codec")
         if not (self.step_s > 0 and self.step_noise >= 0 and self.eval_every_s >= 0):

@@ -63,9 +63,7 @@ class Size:
     def demo_setting(self) -> DemoSetting:
         """The demo's setting at this size; a budget given overrides its steps as it does elsewhere."""
         d = self.demo or DemoSetting(self.dense, self.steps, self.period, self.overlap)
-        if self.budget_tokens is not None:
-            d = replace(d, steps=max(1, self.budget_tokens // (self.m * self.batch * d.model.seq)))
-        return d
+        return replace(d, steps=replace(self, dense=d.model, steps=d.steps).steps_for())
 
     def __post_init__(self) -> None:
         if len(self.seeds) < SEEDS_MIN:

@@ -28,6 +28,12 @@ from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
 log = logging.getLogger("ddiloco.learner")
 
 
+def check_alpha(alpha: float) -> None:
+    """The mix of an arrived fragment into the learner's own: 0 overwrites; 1 would never apply it."""
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     url: str
@@ -50,8 +56,7 @@ class SyncConfig:
         codec.parse_codec(self.codec)
         if self.recover_timeout_s <= 0 or self.snapshot_bytes_max <= 0:
             raise ValueError("recover_timeout_s and snapshot_bytes_max must be positive")
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"alpha must lie in [0, 1), got {self.alpha}")
+        check_alpha(self.alpha)
         if self.error_feedback and codec.parse_codec(self.codec) is codec.Codec.FP32:
             raise ValueError("error feedback needs a lossy codec (fp32 loses nothing)")
 
