@@ -88,6 +88,10 @@ class SendWelcome:
     global_step: int
     needs_init: bool  # the syncer holds no parameters and asks this learner for them
     peers: tuple[tuple[int, str, tuple[int, ...]], ...] = ()  # (learner, peer url, versions) of live peers
+    # The round schedule (core.schedule): fragment p's round opens at global steps t with
+    # t mod period == offsets[p]; a learner reports its progress at those steps without delay.
+    period: int = 1
+    offsets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

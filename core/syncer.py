@@ -227,7 +227,7 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
     out.append(
         SendWelcome(
             ev.conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, needs_init,
-            peers,
+            peers, state.schedule.period, state.schedule.offsets,
         )
     )
     if rec.status is LearnerStatus.RECOVERING:
@@ -548,7 +548,8 @@ def _hand_over_init(state: SyncerState, out: list[Effect]) -> None:
     nxt.status = LearnerStatus.INITIALIZING
     nxt.versions = [-1] * state.config.num_fragments
     out.append(Log("info", f"asking learner {nxt.id} for the initial parameters instead"))
-    out.append(SendWelcome(nxt.conn, nxt.id, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, True))
+    out.append(SendWelcome(nxt.conn, nxt.id, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, True,
+                           period=state.schedule.period, offsets=state.schedule.offsets))
 
 
 def _on_cost(state: SyncerState, ev: MergeCost, now: float, out: list[Effect]) -> None:

@@ -52,14 +52,15 @@ class ClientConfig:
     connect_timeout_s: float = 10.0
     heartbeat_s: float = 20.0  # websocket ping interval; a syncer silent for half of it is gone
     progress_queued_max: int = 64  # coalesced beyond this: only the newest progress matters
-    # `ThreadedClient.progress` forwards at most one report per this many seconds while the held
-    # versions stay the same (the counters only grow, so a newer report says all an older one
-    # did); the newest one held back goes out when the interval ends. Each report forwarded costs
-    # this thread, and the syncer, CPU that a training step on shared cores then lacks
-    # (`ddiloco bench learner`). A report under new held versions goes at once, after the last
-    # one under the old versions (the ledger's count of the tokens trained under them). 0: every
-    # report is forwarded.
-    progress_interval_s: float = 0.05
+    # `ThreadedClient.progress` forwards a report at once when its step is one where a round opens
+    # (the welcome's schedule: the syncer opens rounds on the steps it hears of, so these are the
+    # reports it needs on time) or when the held versions changed (after the last report under the
+    # old versions: the ledger's count of the tokens trained under them). Other reports go at most
+    # once per this many seconds, the newest one held back when the interval ends: a heartbeat of
+    # the step count for the syncer's view (the counters only grow, so a newer report says all an
+    # older one did). Each report forwarded costs this thread, and the syncer, CPU that a training
+    # step on shared cores then lacks (`ddiloco bench learner`). 0: every report is forwarded.
+    progress_interval_s: float = 0.5
     pushes_queued_max: int = 2  # outer gradients waiting to go out (one in flight per fragment)
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
 
@@ -307,6 +308,7 @@ class ThreadedClient:
         self._client: SyncerClient | None = None
         self._ready = threading.Event()
         self._welcomes_seen = 0  # welcomes the caller has seen: stamps what it sends (see queue_progress)
+        self._welcome: session.WelcomeInfo | None = None  # the latest the caller has seen: its round schedule
         self._markers: list[int] = []  # collected by `_take` on the loop, given out by `take_markers`
         self._taken: tuple[int, tuple] | None = None  # (inbox deliveries, welcomes) as of the last `_take`
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
@@ -336,17 +338,19 @@ class ThreadedClient:
             raise self._client.refused
         fut = asyncio.run_coroutine_threadsafe(self._welcome_now(), self._loop)
         self._welcomes_seen, welcome = fut.result()
+        self._welcome = welcome
         return welcome
 
     async def _welcome_now(self) -> tuple[int, session.WelcomeInfo | None]:
         return self._client.inbox.welcomes, self._client.inbox.welcome
 
     def progress(self, item: session.ProgressInfo) -> None:
-        """Report progress; forwarded to the network thread at most once per interval while the
-        held versions stay the same (most steps then cost no wake-up of that thread at all)."""
+        """Report progress: at once on a step where a round opens or under new held versions,
+        otherwise at most once per interval (most steps then cost no wake-up of that thread at all)."""
         self._check()
         now = self._clock()
-        if item.versions == self._forwarded_versions and now - self._forwarded_at < self._interval_s:
+        due = self._welcome is not None and self._welcome.opens_round(item.step)
+        if not due and item.versions == self._forwarded_versions and now - self._forwarded_at < self._interval_s:
             self._held.append((self._welcomes_seen, item, now))
             return
         held = self._take_held()
@@ -417,6 +421,7 @@ class ThreadedClient:
         *taken, deliveries = fut.result()
         self._taken = (deliveries, taken[3])
         self._welcomes_seen = taken[3][0]
+        self._welcome = taken[3][1] or self._welcome
         return tuple(taken)
 
     async def _take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None], int]:

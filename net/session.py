@@ -66,6 +66,12 @@ class WelcomeInfo:
     global_step: int
     needs_init: bool
     peers: tuple["PeerInfo", ...] = ()  # live learners serving their state, by learner id
+    period: int = 1  # the round schedule: fragment p's round opens at global steps t, t mod period == offsets[p]
+    offsets: tuple[int, ...] = ()
+
+    def opens_round(self, step: int) -> bool:
+        """Whether some fragment's round opens when the syncer's global step reaches `step`."""
+        return step % self.period in self.offsets
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,8 @@ def client_view(m: msg.Message) -> object:
     if isinstance(m, msg.Welcome):
         layout = orjson.loads(m.layout_json)
         return WelcomeInfo(
-            m.learner_id, layout, m.layout_digest, m.versions, m.global_step, m.needs_init, parse_peers(m.peers_json)
+            m.learner_id, layout, m.layout_digest, m.versions, m.global_step, m.needs_init, parse_peers(m.peers_json),
+            m.sync_every_steps, m.fragment_offsets,
         )
     if isinstance(m, msg.Request):
         return RequestInfo(m.fragment, m.round, m.base_version)
@@ -248,8 +255,8 @@ def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits, cloc
         frags = effect.layout["fragments"]
         m = msg.Welcome(
             learner_id=effect.learner, layout_digest=effect.digest, fragment_count=len(frags),
-            versions=tuple(max(v, 0) for v in effect.versions), sync_every_steps=1,
-            fragment_offsets=tuple(0 for _ in frags), global_step=effect.global_step, codec="int4",
+            versions=tuple(max(v, 0) for v in effect.versions), sync_every_steps=effect.period,
+            fragment_offsets=effect.offsets or tuple(0 for _ in frags), global_step=effect.global_step, codec="int4",
             codec_block=effect.layout["block"], clock=clock or {}, needs_init=effect.needs_init,
             layout_json=orjson.dumps(effect.layout).decode(),
             peers_json=orjson.dumps([[i, u, list(v)] for i, u, v in effect.peers]).decode() if effect.peers else "",

@@ -289,6 +289,18 @@ def test_initialiser_dying_hands_over_to_next():
     assert h.state.fragments[0].theta is None  # the half-done init was forgotten
 
 
+def test_welcome_carries_the_round_schedule():
+    """Learners report at once on the steps where a round opens: every welcome says which, the
+    first and the one handing the initialisation over alike."""
+    h = Harness(num_fragments=2, period=6)
+    first = h.join("a", conn=10)
+    second = h.join("b", conn=11)
+    (handed_over,) = h.of(SendWelcome, h.send(Disconnect(1, "killed")))
+    assert handed_over.needs_init
+    for welcome in (first, second, handed_over):
+        assert (welcome.period, welcome.offsets) == (6, h.state.schedule.offsets) == (6, (0, 3))
+
+
 def test_layout_mismatch_and_protocol_refused():
     h = Harness()
     h.join("a", conn=10)

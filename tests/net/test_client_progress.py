@@ -87,6 +87,32 @@ def test_the_last_report_under_old_versions_is_never_dropped(paced):
     assert queued() == [7, 8, 9]
 
 
+def test_a_step_where_a_round_opens_is_reported_at_once(paced):
+    tc, clock, queued = paced(5.0)
+    # rounds open at steps t with t mod 6 in (0, 3): the syncer needs to hear of those on time
+    tc._welcome = session.WelcomeInfo(1, {}, "ab" * 32, (0, 0), 0, False, period=6, offsets=(0, 3))
+    for step in range(1, 14):
+        clock.now += 0.01
+        tc.progress(report(step))
+    assert queued() == [1, 3, 6, 9, 12]  # the first, then the due steps; the rest held
+
+
+def test_the_schedule_comes_from_the_welcome():
+    """The syncer's welcome carries its round schedule, and the learner reads the same steps."""
+    from ddiloco.core.events import SendWelcome
+    from ddiloco.net import messages as msg
+    from ddiloco.net import wire
+
+    layout = {"fragments": [{}, {}, {}], "block": 128}
+    effect = SendWelcome(1, 3, layout, "ab" * 32, (4, 5, 6), 100, False, period=12, offsets=(0, 4, 8))
+    (frame,) = session.frames_for(effect, 1, wire.WireLimits())
+    m = wire.Reassembler(wire.WireLimits()).feed(frame)
+    assert isinstance(m, msg.Welcome)
+    info = session.client_view(m)
+    assert (info.period, info.offsets) == (12, (0, 4, 8))
+    assert [t for t in range(100, 125) if info.opens_round(t)] == [100, 104, 108, 112, 116, 120, 124]
+
+
 def test_interval_is_validated():
     with pytest.raises(ValueError, match="progress_interval_s"):
         ClientConfig(url="ws://h/ws", name="t", tensors=(), progress_interval_s=-1.0)
