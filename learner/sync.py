@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from ddiloco import kernels
 from ddiloco.core import codec
 from ddiloco.core.layout import layout_from_description
 from ddiloco.learner import recovery
@@ -49,8 +50,11 @@ class SyncConfig:
     peer: PeerConfig | None = None
     recover_timeout_s: float = 60.0  # fetching a peer's snapshot, per peer tried
     snapshot_bytes_max: int = 16 << 30  # the largest peer snapshot accepted
-    # Progress reports at most this often while no fragment arrives (net.client.ClientConfig).
-    progress_interval_s: float = 0.05
+    # Between the steps where a round opens, progress reports at most this often (net.client.ClientConfig).
+    progress_interval_s: float = 0.5
+    # Codec kernels on the training thread only, never numba's thread pool (kernels.serial_only):
+    # the cores are the training step's. For the whole process, which a learner normally is.
+    serial_kernels: bool = True
 
     def __post_init__(self) -> None:
         codec.parse_codec(self.codec)
@@ -76,6 +80,8 @@ class DilocoSync:
         snapshots: Any = None,
     ):
         self.config = config
+        if config.serial_kernels:
+            kernels.serial_only()
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
         # `tape` (a learner.tape.LearnerTapeWriter) records what the hook takes from the network;
         # `recover_fn` and `snapshots` are how a replay (learner.replay) stands in for the peers.

@@ -118,3 +118,25 @@ def test_forked_child_falls_back_to_serial_loops():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
     assert message == b"ok"
     assert (acc == 1.0).all()  # the child's memory was its own
+
+
+def test_serial_only_keeps_every_kernel_on_the_calling_thread_with_the_same_bits():
+    n = 4 * kernels.PARALLEL_ELEMENTS_MIN  # well above the size where the pool is used
+    x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    offsets = np.array([0, 1000, n // 2, n], dtype=np.int64)
+    acc = np.zeros(n, dtype=np.float32)
+    pooled = (kernels.quantize_int4(x), kernels.segment_sumsq(x, offsets))
+    kernels.accumulate(acc, 0.5, x)
+    assert _parallelism.use_parallel(n)
+    kernels.serial_only()
+    try:
+        assert not _parallelism.use_parallel(n)
+        serial = (kernels.quantize_int4(x), kernels.segment_sumsq(x, offsets))
+        kernels.accumulate(acc, -0.5, x)
+    finally:
+        kernels.serial_only(False)
+    assert _parallelism.use_parallel(n)
+    np.testing.assert_array_equal(serial[0][0], pooled[0][0])
+    np.testing.assert_array_equal(serial[0][1], pooled[0][1])
+    np.testing.assert_array_equal(serial[1], pooled[1])
+    assert (acc == 0).all()
