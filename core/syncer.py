@@ -224,14 +224,16 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
     else:
         rec.status = LearnerStatus.RECOVERING if state.holds_parameters else LearnerStatus.JOINING
         out.append(Log("info", f"learner {learner} ({ev.name}) joined as {rec.status.value}"))
-    out.append(
-        SendWelcome(
-            ev.conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, needs_init,
-            peers, state.schedule.period, state.schedule.offsets,
-        )
-    )
+    out.append(_welcome(state, ev.conn, learner, needs_init, peers))
     if rec.status is LearnerStatus.RECOVERING:
         out.extend(_full_update(state, (learner,)))
+
+
+def _welcome(state: SyncerState, conn: int, learner: int, needs_init: bool,
+             peers: tuple[tuple[int, str, tuple[int, ...]], ...] = ()) -> SendWelcome:
+    """The syncer's layout, versions, global step and round schedule, for one learner."""
+    return SendWelcome(conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step,
+                       needs_init, peers, state.schedule.period, state.schedule.offsets)
 
 
 def _peers(state: SyncerState) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
@@ -548,8 +550,7 @@ def _hand_over_init(state: SyncerState, out: list[Effect]) -> None:
     nxt.status = LearnerStatus.INITIALIZING
     nxt.versions = [-1] * state.config.num_fragments
     out.append(Log("info", f"asking learner {nxt.id} for the initial parameters instead"))
-    out.append(SendWelcome(nxt.conn, nxt.id, state.layout.describe(), state.layout.digest, _versions(state), state.global_step, True,
-                           period=state.schedule.period, offsets=state.schedule.offsets))
+    out.append(_welcome(state, nxt.conn, nxt.id, True))
 
 
 def _on_cost(state: SyncerState, ev: MergeCost, now: float, out: list[Effect]) -> None:

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.tree_util import tree_flatten_with_path, tree_structure, tree_unflatten
 
-from ddiloco.learner.tree import leaf_path, put_like
+from ddiloco.learner.tree import leaf_path, put_all_like
 from ddiloco.net import peer, session
 
 log = logging.getLogger("ddiloco.learner")
@@ -101,8 +101,8 @@ def _put_back(snap: peer.Snapshot, prefix: str, names: list[str], like: Any) -> 
         old_dtype = np.asarray(old).dtype if not hasattr(old, "dtype") else old.dtype
         if tuple(arr.shape) != tuple(np.shape(old)) or arr.dtype != old_dtype:
             raise RecoveryError(f"{prefix}{name}: the peer has {arr.dtype}{list(arr.shape)}, we have {old_dtype}{list(np.shape(old))}")
-        out.append(put_like(np.array(arr), old))
-    return tree_unflatten(treedef, out)
+        out.append(np.array(arr))
+    return tree_unflatten(treedef, put_all_like(out, list(leaves)))
 
 
 def recover(

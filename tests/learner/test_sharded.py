@@ -94,7 +94,7 @@ SPECS = {  # leaf name -> (shape, dtype, partition spec over the mesh axis "x")
 
 def make_params(seed: int, committed: bool = True) -> dict:
     """A small params pytree on a 4-device mesh; `committed=False` leaves the replicated leaf as a
-    freshly initialised one (uncommitted), the other branch of `tree.put_like`."""
+    freshly initialised one (uncommitted), the other branch of `tree.put_all_like`."""
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
     rng = np.random.default_rng(seed)
 
