@@ -43,11 +43,11 @@ _serial_only = False
 
 def serial_only(on: bool = True) -> None:
     """Run every kernel of this process on its calling thread (`on`), or let large vectors use
-    the thread pool again. For a process whose cores belong to something else: a learner's
-    training step, whose XLA threads hold the cores: a pool woken beside them waits for its
-    share. Measured in `ddiloco bench learner`'s loop, quantising a
-    109k-element fragment took 1.5 ms with the pool and 0.3 ms on one thread (0.1 ms on idle
-    cores). Results are the same bits either way (the cut does not depend on the driver)."""
+    the thread pool again. For a process whose cores belong to something else, a learner's
+    training step: its XLA threads hold the cores, and a pool woken beside them waits for its
+    share. Measured in `ddiloco bench learner`'s loop, quantising a 109k-element fragment took
+    1.5 ms with the pool and 0.3 ms on one thread (0.1 ms on idle cores). Results are the same
+    bits either way (the cut does not depend on the driver)."""
     global _serial_only
     _serial_only = bool(on)
 

@@ -129,4 +129,3 @@ def put_all_like(arrays: list[np.ndarray], olds: list[Any]) -> list[Any]:
             for i, leaf in zip(idx, jax.device_put([arrays[i] for i in idx], where)):
                 out[i] = leaf
     return out
-
