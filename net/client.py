@@ -40,6 +40,12 @@ class SyncerRefused(RuntimeError):
     """The syncer refused this learner for good (auth, layout, protocol); retrying cannot help."""
 
 
+class MalformedMessage(ValueError):
+    """A syncer message that frames correctly but does not make sense (a welcome whose layout or
+    peer list does not parse, a payload of the wrong size): that connection is dropped and the
+    client reconnects, as after any other fault of the connection."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     url: str  # ws://host:port/ws
@@ -165,9 +171,12 @@ class SyncerClient:
                 self.settled.set()
                 log.error("%s", exc)
                 return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, wire.WireError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.info("syncer connection failed (%s); retrying in %.2f s", self.last_error, delay)
+            except (wire.WireError, MalformedMessage) as exc:  # the syncer's bytes, not the network
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("dropping the syncer connection: %s; retrying in %.2f s", self.last_error, delay)
             self.connected.clear()
             if self._closing:
                 return
@@ -219,12 +228,26 @@ class SyncerClient:
                 return
             if msg.type is not aiohttp.WSMsgType.BINARY:
                 continue
-            message = reassembler.feed(msg.data)
+            message = self._decode(reassembler, msg.data)
             if message is not None:
                 self._merge_clock(getattr(message, "clock", None))
-                self._deliver(session.client_view(message))
+                try:
+                    view = session.client_view(message)
+                except ValueError as exc:  # the session's checks, and orjson's on the welcome's JSON
+                    raise MalformedMessage(f"the syncer sent a malformed {type(message).__name__}: {exc}") from exc
+                self._deliver(view)
         close_text = f"closed by syncer (code {ws.close_code})"
         raise ConnectionError(close_text)
+
+    def _decode(self, reassembler: wire.Reassembler, frame: bytes) -> object:
+        """A frame's message, if it completes one. A syncer whose frames carry a protocol version
+        this client does not decode is another release of the protocol: refused, not retried."""
+        try:
+            return reassembler.feed(frame)
+        except wire.WireError as exc:
+            if exc.code == wire.ErrorCode.PROTOCOL_VERSION:
+                raise SyncerRefused(f"syncer at {self.config.url} speaks another protocol version: {exc.text}") from exc
+            raise
 
     def _tick(self) -> dict[str, int]:
         self.clock = self.clock.tick(self.config.name)

@@ -6,6 +6,7 @@ import asyncio
 import os
 
 import aiohttp
+import aiohttp.web
 import numpy as np
 import pytest
 
@@ -440,3 +441,71 @@ async def test_wrong_url_reports_the_last_error(tmp_path):
             await loop.run_in_executor(None, tc.wait_welcome, 1.0)
     finally:
         await loop.run_in_executor(None, tc.close)
+
+
+class FakeSyncer:
+    """A websocket server on 127.0.0.1 that answers every hello with `reply(frame)` (frames to
+    send back): a syncer that misbehaves on purpose, to see what the client makes of it."""
+
+    def __init__(self, reply):
+        self.reply, self.connections = reply, 0
+
+    async def _ws(self, request):
+        ws = aiohttp.web.WebSocketResponse()
+        await ws.prepare(request)
+        self.connections += 1
+        async for m in ws:
+            if m.type is aiohttp.WSMsgType.BINARY:
+                for frame in self.reply(m.data):
+                    await ws.send_bytes(bytes(frame))
+        return ws
+
+    async def __aenter__(self):
+        app = aiohttp.web.Application()
+        app.router.add_get("/ws", self._ws)
+        self.runner = aiohttp.web.AppRunner(app)
+        await self.runner.setup()
+        site = aiohttp.web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/ws"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def _welcome(layout_json: str) -> msg.Welcome:
+    return msg.Welcome(
+        learner_id=1, layout_digest="0" * 64, fragment_count=2, versions=(0, 0), sync_every_steps=2,
+        fragment_offsets=(0, 1), global_step=0, codec=msg.CodecName.INT4, codec_block=64, clock={},
+        needs_init=False, layout_json=layout_json,
+    )
+
+
+async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
+    def reply(_hello):
+        frame = bytearray(wire.encode(_welcome("[]"), message_id=1, limits=SMALL)[0])
+        frame[4] = 2  # the header's version byte: a later release of the protocol
+        return [frame]
+
+    async with FakeSyncer(reply) as fake:
+        client = SyncerClient(ClientConfig(url=fake.url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
+                                           reconnect_s_min=0.01, reconnect_s_max=0.02))
+        await asyncio.wait_for(client.run(), 10)  # returns: refused for good
+    assert isinstance(client.refused, SyncerRefused)
+    assert "another protocol version" in str(client.refused) and "version 2" in str(client.refused)
+    assert fake.connections == 1
+
+
+async def test_a_malformed_welcome_drops_the_connection_and_the_client_reconnects():
+    async with FakeSyncer(lambda _hello: wire.encode(_welcome("{not json"), message_id=1, limits=SMALL)) as fake:
+        client = SyncerClient(ClientConfig(url=fake.url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
+                                           reconnect_s_min=0.01, reconnect_s_max=0.02))
+        task = asyncio.ensure_future(client.run())
+        try:
+            await until(lambda: fake.connections >= 3, what="reconnects after the malformed welcome")
+            assert not task.done() and client.refused is None and client.inbox.welcome is None
+            assert "MalformedMessage" in client.last_error and "malformed Welcome" in client.last_error
+        finally:
+            await client.close()
+            await asyncio.wait_for(task, 10)
