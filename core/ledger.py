@@ -9,7 +9,8 @@ received fragment p). A window's tokens end as:
 - stale: in a push computed against an old version of the fragment,
 - rejected: in a push refused for bad content (wrong size, NaN, duplicate...),
 - lost: never pushed (trained after the push and then overwritten by the merged fragment, or the
-  learner died before it could push).
+  learner died before it could push). A push delivered before its learner died is decided with
+  its round like any other.
 
 A window is open while the learner trains; it closes when the learner reports that it holds a newer
 version of the fragment (its counters reset) or when the learner is gone. The invariant is
@@ -58,9 +59,19 @@ class Ledger:
         window.tokens = max(window.tokens, window.fated)
         self.totals[fate] += fresh
 
-    def learner_gone(self, learner: int) -> None:
-        for key in [k for k in self.windows if k[0] == learner]:
+    def learner_gone(self, learner: int, awaiting: frozenset[int] = frozenset()) -> None:
+        """Close the learner's windows, except those of the fragments in `awaiting`: a push of
+        theirs waits in an open round and takes part in its decision; `settle` closes them then."""
+        for key in [k for k in self.windows if k[0] == learner and k[1] not in awaiting]:
             self._close(self.windows.pop(key))
+
+    def settle(self, learner: int, fragment: int, tokens: int, fate: str) -> None:
+        """The push a departed learner left waiting was decided as `fate`: book it, close its window.
+        Nothing happens for a window that was not kept open (`learner_gone` booked it as lost)."""
+        if (learner, fragment) not in self.windows:
+            return
+        self.fate(learner, fragment, tokens, fate)
+        self._close(self.windows.pop((learner, fragment)))
 
     def _close(self, window: _Window) -> None:
         self.totals["lost"] += window.tokens - window.fated

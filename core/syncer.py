@@ -483,12 +483,20 @@ _RECEIVERS = (LearnerStatus.LIVE, LearnerStatus.RECOVERING)
 
 
 def _book_push(state: SyncerState, learner: int, p: int, tokens: int, fate: str) -> None:
-    """Give a kept push's tokens their fate, if its ledger window is still open. A learner that left
-    before the round closed had its windows closed then, their tokens booked as lost: booking them
-    again would count them twice."""
+    """Give a kept push's tokens their fate, if its ledger window is still open: the learner's
+    window of the fragment's current version, or the window a learner that left kept open for it
+    (`_books_pending`)."""
     rec = state.learners[learner]
-    if rec.status is not LearnerStatus.GONE and rec.versions[p] == state.fragments[p].version:
+    if rec.status is LearnerStatus.GONE:
+        state.ledger.settle(learner, p, tokens, fate)
+    elif rec.versions[p] == state.fragments[p].version:
         state.ledger.fate(learner, p, tokens, fate)
+
+
+def _books_pending(state: SyncerState, rec: LearnerRecord, p: int) -> bool:
+    """Whether the learner's push waits in fragment p's open round, on the window `_book_push` books."""
+    rnd = state.fragments[p].open
+    return rnd is not None and rec.id in rnd.pushes and rec.versions[p] == state.fragments[p].version
 
 
 def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, reason: str, out: list[Effect]) -> None:
@@ -530,7 +538,8 @@ def _on_disconnect(state: SyncerState, ev: Disconnect, now: float, out: list[Eff
         return
     was = rec.status
     rec.status = LearnerStatus.GONE
-    state.ledger.learner_gone(rec.id)
+    awaiting = frozenset(p for p, frag in enumerate(state.fragments) if _books_pending(state, rec, p))
+    state.ledger.learner_gone(rec.id, awaiting)
     out.append(Log("warning", f"learner {rec.id} ({rec.name}) gone: {ev.reason}"))
     if was is LearnerStatus.INITIALIZING:
         _hand_over_init(state, out)

@@ -33,8 +33,22 @@ def test_gone_learner_books_unpushed_as_lost():
     led.check()
 
 
+def test_gone_learner_keeps_the_window_of_a_push_awaiting_its_round():
+    led = Ledger()
+    led.report(3, 0, 70, reset=False)
+    led.report(3, 1, 90, reset=False)
+    led.fate(3, 1, 60, "merged")  # an earlier push of the same window, already decided
+    led.learner_gone(3, awaiting=frozenset({1}))
+    assert led.totals["lost"] == 70 and led.open == 30
+    led.settle(3, 1, 80, "merged")  # the waiting push, decided after the learner left
+    assert led.totals["merged"] == 80 and led.totals["lost"] == 80 and led.open == 0
+    led.settle(3, 0, 70, "merged")  # not kept open: already booked as lost, booked nowhere else
+    assert led.totals["merged"] == 80 and led.reported == 160
+    led.check()
+
+
 ops = st.lists(
-    st.tuples(st.sampled_from(["report", "reset", "fate", "gone"]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 1000),
+    st.tuples(st.sampled_from(["report", "reset", "fate", "gone", "gone_awaiting", "settle"]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 1000),
               st.sampled_from(["merged", "late", "stale", "rejected"])),
     max_size=60,
 )
@@ -49,7 +63,9 @@ def test_books_always_balance(sequence):
             led.report(learner, fragment, tokens, reset=op == "reset")
         elif op == "fate":
             led.fate(learner, fragment, tokens, fate)
+        elif op == "settle":
+            led.settle(learner, fragment, tokens, fate)
         else:
-            led.learner_gone(learner)
+            led.learner_gone(learner, frozenset({fragment}) if op == "gone_awaiting" else frozenset())
         led.check()
         assert all(v >= 0 for v in led.totals.values()) and led.open >= 0

@@ -354,19 +354,25 @@ def test_late_push_after_the_newer_version_was_reported_is_not_booked_twice():
     h.state.ledger.check()
 
 
-def test_push_of_a_learner_gone_before_its_round_closed_opens_no_window():
+def test_push_of_a_learner_gone_before_its_round_closed_is_booked_with_the_merge():
     h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=1000.0, overlap=2))
     two_live(h)
     measure_timing(h)
     fragment, rnd = open_round(h, 4)
-    (timer,) = h.of(ArmTimer, h.push(1, fragment, rnd))
+    h.send(Progress(learner=1, step=4, versions=tuple(f.version for f in h.state.fragments), steps=(1, 1), tokens=(700, 700)))
+    (timer,) = h.of(ArmTimer, h.push(1, fragment, rnd, tokens=500))
+    ledger = h.state.ledger
+    lost, merged_tokens = ledger.totals["lost"], ledger.totals["merged"]
     h.send(Disconnect(1, "killed"))  # learner 2 has not delivered: the round waits for its timer
-    reported = h.state.ledger.reported
+    assert (1, fragment) in ledger.windows  # kept open for the push that waits in the round
+    assert (1, 1 - fragment) not in ledger.windows and ledger.totals["lost"] == lost + 700
+    reported = ledger.reported
     (merged,) = h.of(Merged, h.send(TimerFired(fragment, rnd), dt=timer.at - h.now))
     assert merged.learners == (1,)
-    assert (1, fragment) not in h.state.ledger.windows  # its windows closed when it left
-    assert h.state.ledger.reported == reported
-    h.state.ledger.check()
+    # its push took part in the merge, so its tokens are merged; the 200 trained after it are lost
+    assert ledger.totals["merged"] == merged_tokens + 500 and ledger.totals["lost"] == lost + 700 + 200
+    assert (1, fragment) not in ledger.windows and ledger.reported == reported
+    ledger.check()
 
 
 def test_progress_overtaken_by_a_newer_one_is_ignored():
