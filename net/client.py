@@ -34,6 +34,8 @@ log = logging.getLogger("ddiloco.client")
 
 
 PROGRESS_INTERVAL_S_MAX = 5.0  # beyond this the syncer's view of the step lags too far behind
+CLOSE_DRAIN_S_MAX = 30.0  # a learner that is stopping does not wait on a stuck syncer for longer
+CLOSE_GRACE_S = 1.0  # after the drain time, this long for the goodbye and the close handshake
 
 
 class SyncerRefused(RuntimeError):
@@ -68,6 +70,9 @@ class ClientConfig:
     # step on shared cores then lacks (`ddiloco bench learner`). 0: every report is forwarded.
     progress_interval_s: float = 0.5
     pushes_queued_max: int = 2  # outer gradients waiting to go out (one in flight per fragment)
+    # On close, what is queued (the last progress report, pushes the syncer may still merge) goes
+    # out before the goodbye, for at most this long; then the connection closes whatever is left.
+    close_drain_s: float = 2.0
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,8 @@ class ClientConfig:
             raise ValueError("need 0 < reconnect_s_min <= reconnect_s_max")
         if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
             raise ValueError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
+        if not 0 <= self.close_drain_s <= CLOSE_DRAIN_S_MAX:
+            raise ValueError(f"close_drain_s must lie in [0, {CLOSE_DRAIN_S_MAX}], got {self.close_drain_s}")
 
 
 @dataclass
@@ -110,8 +117,11 @@ class SyncerClient:
         self._control: deque = deque()
         self._bulk: deque = deque()
         self._wake = asyncio.Event()
+        self._closed = asyncio.Event()
         self._ids = iter(range(1, 1 << 62))
         self._closing = False
+        self._drain_until = 0.0  # on the loop's clock, set by close
+        self._serving: asyncio.Future | None = None  # the current connection, cancelled if close overruns
         self._rng = rng or random.Random(0)  # jitter of the backoff only
         self.last_error: str | None = None
         self.bytes_out = 0
@@ -153,8 +163,20 @@ class SyncerClient:
         return welcomes is None or welcomes == self.inbox.welcomes
 
     async def close(self) -> None:
+        """Stop: what is queued goes out first (ClientConfig.close_drain_s), then a goodbye."""
+        self._drain_until = asyncio.get_running_loop().time() + self.config.close_drain_s
         self._closing = True
+        self._closed.set()
         self._wake.set()
+        self.welcomed.set()  # a writer still waiting for this connection's welcome has nothing to send
+        # A send already under way when close came has no deadline of its own (a stalled syncer):
+        # the connection is cancelled when the drain and the goodbye have had their time.
+        asyncio.get_running_loop().call_later(self.config.close_drain_s + CLOSE_GRACE_S, self._abort)
+
+    def _abort(self) -> None:
+        if self._serving is not None and not self._serving.done():
+            log.warning("closing: the syncer connection did not finish in time; cut")
+            self._serving.cancel()
 
     # ---- the connection loop --------------------------------------------------------------------
 
@@ -163,8 +185,13 @@ class SyncerClient:
         delay = self.config.reconnect_s_min
         while not self._closing:
             try:
-                await self._serve_once()
+                self._serving = asyncio.ensure_future(self._serve_once())
+                await self._serving
                 delay = self.config.reconnect_s_min
+            except asyncio.CancelledError:
+                if not (self._closing and self._serving.cancelled()):
+                    raise
+                return
             except SyncerRefused as exc:
                 self.refused = exc
                 self.welcomed.set()  # wake anyone waiting for a welcome that will never come
@@ -180,7 +207,10 @@ class SyncerClient:
             self.connected.clear()
             if self._closing:
                 return
-            await asyncio.sleep(delay * (0.5 + self._rng.random()))
+            try:  # the backoff, cut short by close
+                await asyncio.wait_for(self._closed.wait(), delay * (0.5 + self._rng.random()))
+            except asyncio.TimeoutError:
+                pass
             delay = min(delay * 2, self.config.reconnect_s_max)
 
     async def _serve_once(self) -> None:
@@ -208,7 +238,7 @@ class SyncerClient:
                 # The protocol: nothing after the hello until the welcome (the syncer has no learner
                 # id for this connection before then). The reader sets `welcomed`.
                 self.welcomed.clear()
-                writer = asyncio.create_task(self._write_loop(ws))
+                writer = asyncio.create_task(self._write_loop(ws, self.inbox.welcomes))
                 # A writer that fails (a bug: a message that does not encode) must not leave a
                 # connection that reads but never sends: close it, and the failure surfaces below.
                 writer.add_done_callback(lambda t: t.cancelled() or t.exception() is None or asyncio.ensure_future(ws.close()))
@@ -223,9 +253,7 @@ class SyncerClient:
 
     async def _read_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         reassembler = wire.Reassembler(self.config.wire)
-        async for msg in ws:
-            if self._closing:
-                return
+        async for msg in ws:  # until the connection closes: on close, after the writer's goodbye
             if msg.type is not aiohttp.WSMsgType.BINARY:
                 continue
             message = self._decode(reassembler, msg.data)
@@ -236,8 +264,9 @@ class SyncerClient:
                 except ValueError as exc:  # the session's checks, and orjson's on the welcome's JSON
                     raise MalformedMessage(f"the syncer sent a malformed {type(message).__name__}: {exc}") from exc
                 self._deliver(view)
-        close_text = f"closed by syncer (code {ws.close_code})"
-        raise ConnectionError(close_text)
+        if self._closing:
+            return
+        raise ConnectionError(f"closed by syncer (code {ws.close_code})")
 
     def _decode(self, reassembler: wire.Reassembler, frame: bytes) -> object:
         """A frame's message, if it completes one. A syncer whose frames carry a protocol version
@@ -284,13 +313,19 @@ class SyncerClient:
             if item.fatal:
                 raise SyncerRefused(f"syncer refused this learner: {item.code}: {item.text}")
 
-    async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        await self.welcomed.wait()
+    async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse, welcomes_before: int) -> None:
+        await self.welcomed.wait()  # this connection's welcome, a refusal, or close
         if self.refused is not None:
             return
+        if self.inbox.welcomes == welcomes_before:  # closed before the welcome: nothing may be sent
+            await ws.close()
+            return
         bulk_frames: deque = deque()
-        while not self._closing:
-            if not (self._progress or self._control or self._bulk or bulk_frames):
+        while True:
+            queued = self._progress or self._control or self._bulk or bulk_frames
+            if self._closing and (not queued or self._drain_left() == 0):
+                break
+            if not queued:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -307,9 +342,26 @@ class SyncerClient:
                     bulk_frames.extend(session.bulk_frames(item, next(self._ids), self.config.wire, self._tick()))
                 continue
             for frame in frames:
-                await ws.send_bytes(frame)
-                self.bytes_out += len(frame)
+                await self._send(ws, frame)
+        for frame in session.bye_frames("stopping", next(self._ids), self.config.wire):
+            await self._send(ws, frame)
         await ws.close()
+
+    def _drain_left(self) -> float:
+        return max(0.0, self._drain_until - asyncio.get_running_loop().time())
+
+    async def _send(self, ws: aiohttp.ClientWebSocketResponse, frame) -> None:
+        """Send one frame; while closing, only within what is left of the drain time (a frame cut
+        short then does not matter: the connection closes right after)."""
+        if not self._closing:
+            await ws.send_bytes(frame)
+        else:
+            try:
+                await asyncio.wait_for(ws.send_bytes(frame), self._drain_left())
+            except asyncio.TimeoutError:
+                self._drain_until = 0.0  # nothing more goes out
+                return
+        self.bytes_out += len(frame)
 
 
 class ThreadedClient:
@@ -469,9 +521,18 @@ class ThreadedClient:
         if not self._thread.is_alive():
             raise RuntimeError(f"the syncer client has stopped (last error: {self._client.last_error})")
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = CLOSE_DRAIN_S_MAX + 5.0) -> None:
+        """Stop the client: the newest progress report held back goes out with what is queued
+        (`SyncerClient.close`); waits for the thread at most `timeout_s`."""
         if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._client.close()))
+            held = self._take_held()
+
+            def closing() -> None:
+                if held is not None:
+                    self._client.queue_progress(held[1], held[0])
+                asyncio.ensure_future(self._client.close())
+
+            self._loop.call_soon_threadsafe(closing)
             self._thread.join(timeout_s)
 
     @property

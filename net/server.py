@@ -459,7 +459,8 @@ class SyncerServer:
             return await self._refuse(conn, exc.as_wire_error())
         if event is None:
             return True
-        if isinstance(event, Disconnect):
+        if isinstance(event, Disconnect):  # a goodbye: the learner is gone, and says why
+            await self._forget(conn, event.reason)
             return False
         await self._events.put((event, message.clock))
         return True

@@ -282,6 +282,10 @@ def update_frames(
     return wire.encode(m, message_id=message_id, limits=limits)
 
 
+def bye_frames(reason: str, message_id: int, limits: wire.WireLimits) -> list:
+    return wire.encode(msg.Bye(reason=reason), message_id=message_id, limits=limits)
+
+
 def error_frames(exc: wire.WireError, message_id: int, limits: wire.WireLimits) -> list:
     return wire.encode(exc.to_message(), message_id=message_id, limits=limits)
 

@@ -509,3 +509,34 @@ async def test_a_malformed_welcome_drops_the_connection_and_the_client_reconnect
         finally:
             await client.close()
             await asyncio.wait_for(task, 10)
+
+
+async def test_close_sends_what_is_queued_then_says_goodbye(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddiloco.syncer")
+    s = Syncer(tmp_path, quorum=2)
+    await s.start()
+    a, b = await two_learners(s)
+    state = s.server.state
+    try:
+        b.tick()  # b reports the versions it holds: live from here
+        await until(lambda: state.learners[2].status.value == "live", what="b live")
+        a.tick()  # step 2 opens a round that asks both
+        await until(lambda: a.client.inbox.requests and b.client.inbox.requests, what="the requests")
+        fragment = a.client.inbox.requests[0].fragment
+        assert state.fragments[fragment].open.asked == (1, 2)
+        # a's push, then a progress report, then close: all in one go, nothing sent yet
+        a.answer()
+        a.tick()
+        await a.client.close()
+        await asyncio.wait_for(a.task, 10)  # the client ends by itself once it has said goodbye
+        await until(lambda: state.learners[1].status.value == "gone", what="a gone")
+        assert state.learners[1].step == a.step  # the last report arrived
+        assert 1 in state.fragments[fragment].open.pushes  # and so did the push: it waits for b
+        assert "gone: bye: stopping" in caplog.text
+        b.answer()  # b delivers: the round merges both, a's tokens with it
+        await until(lambda: state.fragments[fragment].version == 1, what="the merge with a's push")
+        assert state.decisions[-1].outcome == "merged" and state.ledger.totals["merged"] == 2 * 64
+        state.ledger.check()
+    finally:
+        await b.stop()
+        await s.server.stop()
