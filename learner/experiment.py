@@ -77,6 +77,7 @@ class RunConfig:
     step_noise: float = 0.0  # relative spread of each step's duration (lognormal sigma)
     network: NetworkModel = field(default_factory=NetworkModel)
     inner_steps: int = 0  # length of the inner LR schedule; 0: budget / (learners * batch * seq)
+    inner_lr: float = reference.TrainConfig.lr  # the inner AdamW's peak learning rate
     eval_every_s: float = 0.0  # > 0: evaluate the syncer's model on this period (time to target)
     target_loss: float | None = None  # stop as soon as a periodic evaluation reaches it
 
@@ -91,6 +92,8 @@ class RunConfig:
             raise ValueError("error feedback needs a lossy codec")
         if not (self.step_s > 0 and self.step_noise >= 0 and self.eval_every_s >= 0):
             raise ValueError("need step_s > 0, step_noise >= 0 and eval_every_s >= 0")
+        if not (math.isfinite(self.inner_lr) and self.inner_lr > 0):
+            raise ValueError(f"inner_lr must be a positive number, got {self.inner_lr!r}")
         if self.target_loss is not None and not self.eval_every_s:
             raise ValueError("a target loss needs eval_every_s > 0")
 
@@ -107,10 +110,11 @@ class RunConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def programs(model: reference.ModelConfig, schedule_steps: int) -> tuple[Any, Callable, Callable]:
+def programs(model: reference.ModelConfig, schedule_steps: int, lr: float = reference.TrainConfig.lr) -> tuple[Any, Callable, Callable]:
     """(optimizer, jitted train step, jitted eval): compiled once per configuration and shared by
     every learner of every run (the inner optimizer is a pure transformation, its state per learner)."""
-    tx = reference.make_optimizer(reference.TrainConfig(total_steps=schedule_steps, warmup_steps=min(20, schedule_steps // 5)))
+    train = reference.TrainConfig(lr=lr, total_steps=schedule_steps, warmup_steps=min(20, schedule_steps // 5))
+    tx = reference.make_optimizer(train)
     return tx, reference.make_train_step(model, tx), reference.make_eval(model)
 
 
@@ -237,7 +241,7 @@ class _Run:
         self.loop = VirtualLoop()
         self.hub = Hub(core.new_state(cfg.syncer), self.loop, cfg.network)
         self.schedule_steps = cfg.schedule_steps()
-        self.tx, self.train_step, _ = programs(cfg.model, self.schedule_steps)
+        self.tx, self.train_step, _ = programs(cfg.model, self.schedule_steps, cfg.inner_lr)
         template = initial_params(cfg.model, cfg.seed)
         self.tensors = tensor_specs(template)
         self.template = template
@@ -335,11 +339,12 @@ def run(cfg: RunConfig, *, settle: bool = False) -> RunResult:
     return r.result()
 
 
-def run_data_parallel(model: reference.ModelConfig, batch: int, steps: int, seed: int, schedule_steps: int | None = None) -> dict:
+def run_data_parallel(model: reference.ModelConfig, batch: int, steps: int, seed: int, schedule_steps: int | None = None,
+                      lr: float = reference.TrainConfig.lr) -> dict:
     """The data-parallel baseline: one model, the learners' batches together in one batch, as many
     steps as a learner's schedule (the same token budget), from the same initial weights."""
     sched = schedule_steps or max(21, steps)
-    tx, train_step, _ = programs(model, sched)
+    tx, train_step, _ = programs(model, sched, lr)
     params = initial_params(model, seed)
     opt_state = tx.init(params)
     stream = data.batches(data.train_bytes(), batch, model.seq, np.random.default_rng([seed, 1 << 20]))

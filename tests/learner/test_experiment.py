@@ -184,6 +184,13 @@ def test_alpha_reaches_the_learners():
     assert plain.state_hash != mixed.state_hash
 
 
+def test_inner_lr_reaches_the_learners_and_is_checked():
+    base, faster = ex.run(config()), ex.run(config(inner_lr=2 * reference.TrainConfig.lr))
+    assert base.merges == faster.merges > 0 and base.state_hash != faster.state_hash
+    with pytest.raises(ValueError, match="inner_lr must be a positive number"):
+        config(inner_lr=float("nan"))
+
+
 def test_demo_settings_default_size_is_the_demos_training():
     """The experiment claims to be the demo's run: its model, batch, learners, steps, H and tau."""
     import argparse
