@@ -184,6 +184,7 @@ class SyncerClient:
         """Connect, serve, reconnect with capped exponential backoff until closed or refused."""
         delay = self.config.reconnect_s_min
         while not self._closing:
+            welcomes = self.inbox.welcomes
             try:
                 self._serving = asyncio.ensure_future(self._serve_once())
                 await self._serving
@@ -199,11 +200,11 @@ class SyncerClient:
                 log.error("%s", exc)
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.info("syncer connection failed (%s); retrying in %.2f s", self.last_error, delay)
+                delay = self._backoff(delay, welcomes, exc)
+                log.info("syncer connection failed (%s); retrying in about %.2f s", self.last_error, delay)
             except (wire.WireError, MalformedMessage) as exc:  # the syncer's bytes, not the network
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("dropping the syncer connection: %s; retrying in %.2f s", self.last_error, delay)
+                delay = self._backoff(delay, welcomes, exc)
+                log.warning("dropping the syncer connection: %s; retrying in about %.2f s", self.last_error, delay)
             self.connected.clear()
             if self._closing:
                 return
@@ -212,6 +213,13 @@ class SyncerClient:
             except asyncio.TimeoutError:
                 pass
             delay = min(delay * 2, self.config.reconnect_s_max)
+
+    def _backoff(self, delay: float, welcomes: int, exc: BaseException) -> float:
+        """Note the failure; the backoff before the next attempt. A connection that was welcomed
+        worked: its loss is a new outage, retried after the shortest delay again, not after the
+        long one that an earlier outage had grown to."""
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        return self.config.reconnect_s_min if self.inbox.welcomes > welcomes else delay
 
     async def _serve_once(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}

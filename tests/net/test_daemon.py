@@ -540,3 +540,30 @@ async def test_close_sends_what_is_queued_then_says_goodbye(tmp_path, caplog):
     finally:
         await b.stop()
         await s.server.stop()
+
+
+async def test_backoff_starts_short_again_after_a_connection_that_worked(tmp_path, caplog):
+    import socket
+
+    caplog.set_level("INFO", logger="ddiloco.client")
+    with socket.socket() as sock:  # a free port, with no syncer on it yet
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = SyncerClient(ClientConfig(url=f"ws://127.0.0.1:{port}/ws", name="a", tensors=TENSORS, token=TOKEN,
+                                       wire=SMALL, reconnect_s_min=0.01, reconnect_s_max=0.16))
+    task = asyncio.ensure_future(client.run())
+    retries = lambda: [r.getMessage() for r in caplog.records if "retrying in about" in r.getMessage()]
+    await until(lambda: len(retries()) >= 6, what="retries against a syncer that is not there")
+    assert "about 0.16 s" in retries()[-1]  # grown to the cap
+    s = Syncer(tmp_path)
+    s.server = SyncerServer(syncer.new_state(s.config), ServerConfig(port=port, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL))
+    await s.server.start()
+    try:
+        await until(lambda: client.inbox.welcomes == 1, what="the welcome")
+        before = len(retries())
+    finally:
+        await s.server.stop()
+    await until(lambda: len(retries()) > before, what="the retry after the syncer went away")
+    assert "about 0.01 s" in retries()[before]  # a new outage: the short delay again
+    await client.close()
+    await asyncio.wait_for(task, 10)
