@@ -56,17 +56,17 @@ def config_from_args(args: argparse.Namespace):
     """The DemoConfig the flags describe (`--quick` only changes defaults a flag did not set)."""
     from ddiloco.learner.demo import DemoConfig
 
-    quick = args.quick
+    quick, full = args.quick, DemoConfig  # the dataclass's defaults are the full demo's
     return DemoConfig(
-        learners=args.learners, steps=args.steps or (60 if quick else 400), batch=args.batch,
+        learners=args.learners, steps=args.steps or (60 if quick else full.steps), batch=args.batch,
         fragments=args.fragments, quorum=args.quorum, chaos=not args.no_chaos,
         kills=1 if quick and args.kills == 3 else args.kills,
         pauses=args.pauses if args.pauses is not None else (1 if quick else 2),
         kill_syncer=args.kill_syncer, speeds=_speeds(args.speeds), baseline=args.baseline == "dp",
         seed=args.seed, model=args.model,
-        restart_delay_s=1.0 if quick else 3.0, pause_s=1.0 if quick else 3.0,
+        restart_delay_s=1.0 if quick else full.restart_delay_s, pause_s=1.0 if quick else full.pause_s,
         # a short run needs more frequent syncs to show merging at all
-        period=args.period or (8 if quick else 12), overlap=args.overlap or 4,
+        period=args.period or (8 if quick else full.period), overlap=args.overlap or full.overlap,
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, merge=args.merge, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
         record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
     )

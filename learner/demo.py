@@ -41,7 +41,7 @@ STEPS_CAP_FACTOR = 2  # learners stop at this many times `steps` global steps, b
 @dataclass(frozen=True)
 class DemoConfig:
     learners: int = 4
-    steps: int = 300  # the budget in data-parallel steps (see token_budget); the schedule's length too
+    steps: int = 400  # the budget in data-parallel steps (see token_budget); the schedule's length too
     batch: int = 8
     fragments: int = 4
     # H: steps between two syncs of one fragment. Measured with `ddiloco demo --no-chaos --baseline

@@ -201,6 +201,9 @@ def test_demo_settings_default_size_is_the_demos_training():
     parser = argparse.ArgumentParser()
     demo_cli.add_arguments(parser)
     cfg = demo_cli.config_from_args(parser.parse_args([]))
+    from ddiloco.learner.demo import DemoConfig
+
+    assert cfg == DemoConfig()  # `ddiloco demo` and the Python API's default are one demo
     size = experiments.DEFAULT
     setting = size.demo_setting()
     assert (setting.model, setting.steps, setting.period, setting.overlap) == (_model_config(cfg), cfg.steps, cfg.period, cfg.overlap)
