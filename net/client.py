@@ -117,9 +117,8 @@ class SyncerClient:
         self._control: deque = deque()
         self._bulk: deque = deque()
         self._wake = asyncio.Event()
-        self._closed = asyncio.Event()
+        self._closed = asyncio.Event()  # set by close: the client is stopping
         self._ids = iter(range(1, 1 << 62))
-        self._closing = False
         self._drain_until = 0.0  # on the loop's clock, set by close
         self._serving: asyncio.Future | None = None  # the current connection, cancelled if close overruns
         self._rng = rng or random.Random(0)  # jitter of the backoff only
@@ -165,13 +164,16 @@ class SyncerClient:
     async def close(self) -> None:
         """Stop: what is queued goes out first (ClientConfig.close_drain_s), then a goodbye."""
         self._drain_until = asyncio.get_running_loop().time() + self.config.close_drain_s
-        self._closing = True
         self._closed.set()
         self._wake.set()
         self.welcomed.set()  # a writer still waiting for this connection's welcome has nothing to send
         # A send already under way when close came has no deadline of its own (a stalled syncer):
         # the connection is cancelled when the drain and the goodbye have had their time.
         asyncio.get_running_loop().call_later(self.config.close_drain_s + CLOSE_GRACE_S, self._abort)
+
+    @property
+    def _closing(self) -> bool:
+        return self._closed.is_set()
 
     def _abort(self) -> None:
         if self._serving is not None and not self._serving.done():
