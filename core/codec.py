@@ -247,7 +247,7 @@ def warm_up(codecs: Iterable[Codec | str], block: int = kernels.BLOCK_DEFAULT) -
     compiled on first use holds the GIL for seconds (tens on a cold cache), which starves the
     network thread until the syncer drops it as a reader that stopped reading."""
     for c in {parse_codec(c) for c in codecs} | {Codec.BF16}:
-        for n in (4 * block, -(-kernels.PARALLEL_ELEMENTS_MIN // block) * block):
+        for n in kernels.warmup_sizes(block):
             parse(encode(np.linspace(-1.0, 1.0, n, dtype=np.float32), c, block)).decode()
 
 

@@ -15,7 +15,7 @@ from ddiloco.kernels._int1 import accumulate_int1, dequantize_int1, quantize_int
 from ddiloco.kernels._int2 import accumulate_int2, dequantize_int2, quantize_int2
 from ddiloco.kernels._int4 import accumulate_int4, dequantize_int4, quantize_int4
 from ddiloco.kernels._nesterov import nesterov_step
-from ddiloco.kernels._parallelism import PARALLEL_ELEMENTS_MIN, serial_only
+from ddiloco.kernels._parallelism import PARALLEL_ELEMENTS_MIN, serial_only, warmup_sizes
 from ddiloco.kernels._segments import rda_accumulate, rda_accumulate_int4, segment_sumsq, segment_sumsq_int4
 from ddiloco.kernels._warmup import warmup
 
@@ -44,4 +44,5 @@ __all__ = [
     "serial_only",
     "to_bf16",
     "warmup",
+    "warmup_sizes",
 ]

@@ -26,6 +26,13 @@ CHUNK_ELEMENTS = 1 << 14
 _forked_child = False
 
 
+def warmup_sizes(block: int) -> tuple[int, int]:
+    """Two element counts that compile a kernel's serial driver and its parallel one: a few blocks,
+    and one block more than the parallel threshold (the segment kernels go parallel on where the
+    last segment ends, which warm-up puts half a block before the end)."""
+    return 4 * block, (-(-PARALLEL_ELEMENTS_MIN // block) + 1) * block
+
+
 def _mark_forked_child() -> None:
     # numba's OpenMP pool does not survive fork(): a forked child that enters a parallel region is
     # terminated. We start children with spawn, but if anything forks anyway the child keeps working

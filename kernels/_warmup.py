@@ -12,7 +12,7 @@ import numpy as np
 
 from ddiloco.kernels import _bf16, _dense, _int1, _int2, _int4, _nesterov, _segments
 from ddiloco.kernels._checks import BLOCK_DEFAULT
-from ddiloco.kernels._parallelism import PARALLEL_ELEMENTS_MIN
+from ddiloco.kernels._parallelism import warmup_sizes
 
 _CODECS = (
     (_int4.quantize_int4, _int4.dequantize_int4, _int4.accumulate_int4),
@@ -43,7 +43,5 @@ def _run_all(n: int) -> None:
 
 def warmup() -> None:
     """Compile every kernel, serial and parallel drivers alike (a few MiB of scratch, freed after)."""
-    _run_all(4 * BLOCK_DEFAULT)
-    # One block more than the threshold: the segment kernels go parallel on where the last
-    # segment ends, which is half a block before the end here.
-    _run_all((-(-PARALLEL_ELEMENTS_MIN // BLOCK_DEFAULT) + 1) * BLOCK_DEFAULT)
+    for n in warmup_sizes(BLOCK_DEFAULT):
+        _run_all(n)
