@@ -709,6 +709,10 @@ def _goodput(events: list[dict], cfg: DemoConfig, wall: float) -> float:
 # ---- the report ----
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def report_text(r: DemoReport) -> str:
     def f(x):
         return "-" if x is None else f"{x:.4f}"
@@ -727,7 +731,8 @@ def report_text(r: DemoReport) -> str:
          f"(true next line among 4, ranked by what the context adds to its likelihood; chance 25%)"),
         f"syncer uptime  {100 * r.uptime:.1f}% (longest gap between merges {r.longest_merge_gap_s:.1f} s)",
         f"goodput        {100 * r.goodput:.1f}% of learner time; {pct(merged_share)} of reported tokens merged",
-        f"chaos          {r.kills} learner kills, {r.recoveries} recoveries (catch-up: {catch})",
+        (f"chaos          {_count(r.kills, 'learner kill')}, {_count(r.recoveries, 'restart')}, "
+         f"{len(r.catch_up)} caught up before the end (catch-up: {catch})"),
         (f"tokens         {r.tokens_trained:,} trained of a budget of {r.token_budget:,} "
          f"(the baseline's), in {r.global_steps} global steps"),
     ]

@@ -38,7 +38,9 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
                 "goodput", "kills", "recoveries", "merges", "ledger"):
         assert key in data
     assert data["curves"]["baseline"] and all(e["tokens"] >= 0 for e in data["events"])
-    assert "merged model" in report_text(report) and "syncer kill" in report_text(report)
+    text = report_text(report)
+    assert "merged model" in text and "syncer kill" in text
+    assert f"1 learner kill, 1 restart, {len(report.catch_up)} caught up before the end" in text
     live = (tmp_path / "live.txt").read_text()
     assert "chaos: kill learner" in live and "chaos: kill the syncer" in live and "syncer down" in live
     write_plot(report, tmp_path / "plot" / "loss.png")
