@@ -212,7 +212,7 @@ class SyncerClient:
                 return
             try:  # the backoff, cut short by close
                 await asyncio.wait_for(self._closed.wait(), delay * (0.5 + self._rng.random()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             delay = min(delay * 2, self.config.reconnect_s_max)
 
@@ -368,7 +368,7 @@ class SyncerClient:
         else:
             try:
                 await asyncio.wait_for(ws.send_bytes(frame), self._drain_left())
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._drain_until = 0.0  # nothing more goes out
                 return
         self.bytes_out += len(frame)
