@@ -46,9 +46,9 @@ class Syncer:
         self.dir = tmp_path / "ckpt"
         self.server = None
 
-    async def start(self, state=None, wire_limits=SMALL):
+    async def start(self, state=None, wire_limits=SMALL, port=0):
         state = state or syncer.new_state(self.config)
-        self.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=self.dir, wire=wire_limits))
+        self.server = SyncerServer(state, ServerConfig(port=port, auth_token=TOKEN, checkpoint_dir=self.dir, wire=wire_limits))
         await self.server.start()
         return self.server
 
@@ -556,8 +556,7 @@ async def test_backoff_starts_short_again_after_a_connection_that_worked(tmp_pat
     await until(lambda: len(retries()) >= 6, what="retries against a syncer that is not there")
     assert "about 0.16 s" in retries()[-1]  # grown to the cap
     s = Syncer(tmp_path)
-    s.server = SyncerServer(syncer.new_state(s.config), ServerConfig(port=port, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL))
-    await s.server.start()
+    await s.start(port=port)
     try:
         await until(lambda: client.inbox.welcomes == 1, what="the welcome")
         before = len(retries())
