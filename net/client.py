@@ -542,7 +542,12 @@ class ThreadedClient:
                     self._client.queue_progress(held[1], held[0])
                 asyncio.ensure_future(self._client.close())
 
-            self._loop.call_soon_threadsafe(closing)
+            try:
+                self._loop.call_soon_threadsafe(closing)
+            except RuntimeError:
+                # The thread ended by itself (a refusal) between the check and the call: its loop
+                # is closed and there is nothing left to drain.
+                pass
             self._thread.join(timeout_s)
 
     @property
