@@ -58,7 +58,7 @@ def read_token_file(path: str | Path, *, allow_shared: bool = False) -> str:
     if shared:
         what = f"the auth token file {path} is readable by {shared} (mode {stat.S_IMODE(mode):04o})"
         if not allow_shared:
-            raise AuthConfigError(f"{what}: run `chmod 600 {path}`, or pass --allow-shared-token to accept it")
+            raise AuthConfigError(f"{what}: run `chmod 600 {path}` (`ddiloco syncer --allow-shared-token` accepts it anyway)")
         log.warning("%s; accepted because of --allow-shared-token", what)
     try:
         check_token(token)

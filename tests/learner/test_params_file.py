@@ -40,7 +40,7 @@ def _checkpoint(directory, params, merges):
 
 def _export(source, out, fmt):
     got = subprocess.run([sys.executable, "-m", "ddiloco.cli", "export", str(source), "--format", fmt, "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     return got
 
 
