@@ -59,7 +59,7 @@ def read_token_file(path: str | Path, *, allow_shared: bool = False) -> str:
         what = f"the auth token file {path} is readable by {shared} (mode {stat.S_IMODE(mode):04o})"
         if not allow_shared:
             raise AuthConfigError(f"{what}: run `chmod 600 {path}` (`ddiloco syncer --allow-shared-token` accepts it anyway)")
-        log.warning("%s; accepted because of --allow-shared-token", what)
+        log.warning("%s; accepted, but whoever can read it can join the run", what)
     try:
         check_token(token)
     except AuthConfigError as exc:

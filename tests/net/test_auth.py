@@ -72,7 +72,7 @@ def test_a_token_file_others_may_read_is_refused_or_accepted_with_a_warning(tmp_
         auth.read_token_file(path)
     with caplog.at_level(logging.WARNING, logger="ddiloco.auth"):
         assert auth.read_token_file(path, allow_shared=True) == _hex_tokens(1, 32)[0]
-    assert [r.levelname for r in caplog.records] == ["WARNING"] and "--allow-shared-token" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "whoever can read it can join" in caplog.text
 
 
 def test_write_token_file_makes_a_private_file_and_never_overwrites(tmp_path):
