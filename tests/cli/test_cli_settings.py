@@ -27,7 +27,7 @@ def _parse(*argv):
 
 def test_flags_beat_variables_beat_the_file_beat_the_defaults(tmp_path):
     text = 'port = 1\nrate = 2\nmode = "a"\ntoken_file = "tok"\n'
-    env = {"DDILOCO_PORT": "3", "DDILOCO_RATE": "4.5", "PATH": "/bin"}
+    env = {"DDILOCO_PORT": "3", "DDILOCO_RATE": "4.5", "OTHER": "ignored"}
     got = resolve(TABLE, _parse("--port", "5"), env, text, tmp_path / "conf.toml")
     assert got.values == {"config": None, "port": 5, "rate": 4.5, "mode": "a", "token_file": tmp_path / "tok", "loud": False}
     assert got.sources == {"port": "flag --port", "rate": "env DDILOCO_RATE", "mode": f"file {tmp_path / 'conf.toml'}",
@@ -65,8 +65,9 @@ def test_a_bad_flag_is_refused_by_argparse_with_the_same_message(capsys):
 
 
 def test_absolute_and_home_paths_in_the_file_are_kept(tmp_path):
-    got = resolve(TABLE, _parse(), {}, 'token_file = "/etc/tok"\n', tmp_path / "c.toml")
-    assert got.values["token_file"] == Path("/etc/tok")
+    elsewhere = tmp_path.parent / "elsewhere" / "tok"
+    got = resolve(TABLE, _parse(), {}, f'token_file = "{elsewhere}"\n', tmp_path / "c.toml")
+    assert got.values["token_file"] == elsewhere
     got = resolve(TABLE, _parse(), {}, 'token_file = "~/tok"\n', tmp_path / "c.toml")
     assert got.values["token_file"] == Path.home() / "tok"
 
