@@ -30,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ddiloco.net.auth import write_token_file
+
 SYNCER_START_S_MAX = 60.0
 
 
@@ -55,7 +57,7 @@ class LearnerBenchConfig:
 
 def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen, int, str]:
     token = secrets.token_hex(16)
-    (work / "token").write_text(token + "\n")
+    write_token_file(work / "token", token)
     log_path = work / "syncer.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

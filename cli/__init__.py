@@ -18,6 +18,7 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("ddiloco.cli.syncer", "run the syncer daemon"),
     "status": ("ddiloco.cli.status", "print a syncer's status JSON"),
+    "export": ("ddiloco.cli.export", "write the trained model out of a syncer checkpoint (safetensors, npz or orbax)"),
     "snapshot": ("ddiloco.cli.snapshot", "take a consistent snapshot of a running syncer and its learners"),
     "demo": ("ddiloco.cli.demo", "the chaos demo: a syncer and learners surviving kills (needs the learner extra)"),
     "learner": ("ddiloco.cli.learner", "run one learner of the reference model (needs the learner extra)"),

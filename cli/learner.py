@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         syncer=args.syncer,
         name=args.name or f"learner-{shard.index}",
         shard=shard,
-        token=read_token_file(args.token_file) if args.token_file else None,
+        # The syncer is where a shared token file is refused; a learner reading one only warns.
+        token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
         model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
         train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
         batch=args.batch,

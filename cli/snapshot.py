@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"URL must start with http:// or https://, got {args.url!r}")
     req = urllib.request.Request(f"{url}/snapshot", method="POST",
-                                 headers={"Authorization": f"Bearer {read_token_file(args.token_file)}"})
+                                 headers={"Authorization": f"Bearer {read_token_file(args.token_file, allow_shared=True)}"})
     try:
         with urllib.request.urlopen(req, timeout=args.timeout_s) as resp:
             doc = json.loads(resp.read())

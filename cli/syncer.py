@@ -1,165 +1,239 @@
 """`ddiloco syncer`: run the syncer daemon.
 
-Flags map one-to-one onto `SyncerConfig` and `ServerConfig`; a `--config FILE.toml` supplies the
-same keys (flags given on the command line win over the file, nothing else overrides either). The
-resolved configuration is the first line of the log.
+Every setting is declared once, in `SETTINGS`: it is a flag (`--auth-token-file`), an environment
+variable (`DDILOCO_AUTH_TOKEN_FILE`) and a key of the `--config` TOML file (`auth_token_file`), and
+flags win over variables, variables over the file, the file over the defaults (`cli.settings`). The
+first line of the log is the effective configuration and where each value that is not a default
+came from.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
 import sys
-import tomllib
 from pathlib import Path
+from typing import Any, Self
 
-# flag -> config key, for the SyncerConfig fields that are set from the command line
-_CORE_FLAGS = {
-    "fragments": "num_fragments",
-    "period": "period",
-    "strategy": "strategy",
-    "block": "block",
-    "quorum": "quorum",
-    "merge": "merge",
-    "broadcast_codec": "broadcast_codec",
-    "learners_max": "learners_max",
-    "checkpoint_every_merges": "checkpoint_every_merges",
-    "checkpoint_every_s": "checkpoint_every_s",
+import orjson
+from ddiloco.cli.settings import (
+    Resolved,
+    Setting,
+    SettingsError,
+    add_flags,
+    config_location,
+    read_config_text,
+    resolve,
+)
+
+_CODECS = ("fp32", "bf16")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("config", Path, "TOML file whose keys are these flags' names with underscores (auth_token_file = ...)",
+            in_file=False, metavar="FILE"),
+    Setting("host", str, "address to listen on", default="127.0.0.1"),
+    Setting("port", int, "port (0 picks a free one)", default=8470, bounds=(0, 65535)),
+    Setting("auth-token-file", Path, "file holding the shared bearer token (mode 0600)", metavar="FILE"),
+    Setting("allow-shared-token", bool, "accept a token file that group or others may read (with a warning)", default=False),
+    Setting("insecure-no-auth", bool, "serve without a token on an address other machines can reach", default=False),
+    Setting("checkpoint-dir", Path, "where checkpoints are written", metavar="DIR"),
+    Setting("init", Path, "initial parameters (a checkpoint file written by the learner side)", metavar="FILE"),
+    Setting("resume", Path, "continue from the newest valid checkpoint in this directory", metavar="DIR"),
+    Setting("fragments", int, "P, number of fragments (default 4)"),
+    Setting("period", int, "H, steps between two syncs of one fragment (default 4)"),
+    Setting("strategy", str, "how tensors are grouped into fragments (default balanced)", choices=("layer", "tensor", "balanced")),
+    Setting("block", int, "values per int4 scale (default 128)"),
+    Setting("quorum", int, "K, minimum learners per merge (default 1)"),
+    Setting("grace-max-ms", float, "cap of the adaptive grace window (default 1000)"),
+    Setting("grace-gamma", float, "share of the slack spent waiting (default 0.5)"),
+    Setting("overlap", int, "tau, steps a fragment may stay in flight (default 2)"),
+    Setting("outer-lr", float, "outer Nesterov learning rate (default 0.7)"),
+    Setting("outer-momentum", float, "outer Nesterov momentum (default 0.9)"),
+    Setting("merge", str, "how pushed outer gradients are merged (default rda)", choices=("rda", "mean")),
+    Setting("broadcast-codec", str, "codec of the merged fragments sent to learners (default fp32)", choices=_CODECS),
+    Setting("learners-max", int, "learners connected at once (default 256)"),
+    Setting("checkpoint-every-merges", int, "also write a checkpoint every this many merges (default 0: never by count)"),
+    Setting("checkpoint-every-s", float, "write a checkpoint every this many seconds (default 300; 0: never by time)"),
+    Setting("log-level", str, "log level", default="info", choices=("debug", "info", "warning")),
+    Setting("record", Path, "write the event tape of this run into DIR (a new directory; `ddiloco replay DIR` checks it)",
+            metavar="DIR"),
+    Setting("record-no-payloads", bool, "with --record: keep only the hashes of pushed payloads "
+            "(a smaller tape that cannot be replayed)", default=False),
+    Setting("snapshot-dir", Path, "where consistent snapshots (syncer + learners + messages in flight) go; "
+            "taken by POST /snapshot or `ddiloco snapshot URL`", metavar="DIR"),
+    Setting("snapshot-every-s", float, "also take a snapshot every this many seconds (0: never)", default=0.0,
+            bounds=(0.0, 1e9)),
+    Setting("snapshot-wait-s", float, "how long a snapshot waits for the learners' local states", default=120.0,
+            bounds=(0.0, 1e9)),
+)
+
+# setting -> where it goes in the core's SyncerConfig (core.config.from_mapping; "table.key" is nested)
+CORE_KEYS = {
+    "fragments": "num_fragments", "period": "period", "strategy": "strategy", "block": "block", "quorum": "quorum",
+    "merge": "merge", "broadcast_codec": "broadcast_codec", "learners_max": "learners_max",
+    "checkpoint_every_merges": "checkpoint_every_merges", "checkpoint_every_s": "checkpoint_every_s",
+    "outer_lr": "outer.lr", "outer_momentum": "outer.momentum",
+    "grace_max_ms": "grace.grace_ms_max", "grace_gamma": "grace.gamma", "overlap": "grace.overlap",
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8470, help="port (0 picks a free one; default 8470)")
-    p.add_argument("--config", type=Path, help="TOML file with syncer config keys")
-    p.add_argument("--init", type=Path, help="initial parameters (a checkpoint file written by the learner side)")
-    p.add_argument("--checkpoint-dir", type=Path, help="where checkpoints are written")
-    p.add_argument("--resume", type=Path, help="continue from the newest valid checkpoint in this directory")
-    p.add_argument("--auth-token-file", type=Path, help="file holding the shared bearer token")
-    p.add_argument("--fragments", type=int, help="P, number of fragments (default 4)")
-    p.add_argument("--period", type=int, help="H, steps between two syncs of one fragment (default 4)")
-    p.add_argument("--strategy", choices=["layer", "tensor", "balanced"])
-    p.add_argument("--block", type=int, help="values per int4 scale (default 128)")
-    p.add_argument("--quorum", type=int, help="K, minimum learners per merge (default 1)")
-    p.add_argument("--grace-max-ms", type=float, help="cap of the adaptive grace window (default 1000)")
-    p.add_argument("--grace-gamma", type=float, help="share of the slack spent waiting (default 0.5)")
-    p.add_argument("--overlap", type=int, help="tau, steps a fragment may stay in flight (default 2)")
-    p.add_argument("--outer-lr", type=float, help="outer Nesterov learning rate (default 0.7)")
-    p.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0.9)")
-    p.add_argument("--merge", choices=["rda", "mean"])
-    p.add_argument("--broadcast-codec", choices=["fp32", "bf16"])
-    p.add_argument("--learners-max", type=int)
-    p.add_argument("--checkpoint-every-merges", type=int)
-    p.add_argument("--checkpoint-every-s", type=float)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
-    p.add_argument("--record", type=Path, metavar="DIR",
-                   help="write the event tape of this run into DIR (a new directory; `ddiloco replay DIR` checks it)")
-    p.add_argument("--snapshot-dir", type=Path, metavar="DIR",
-                   help="where consistent snapshots (syncer + learners + messages in flight) go; "
-                        "taken by POST /snapshot or `ddiloco snapshot URL`")
-    p.add_argument("--snapshot-every-s", type=float, default=0.0, help="also take a snapshot every this many seconds")
-    p.add_argument("--snapshot-wait-s", type=float, default=120.0,
-                   help="how long a snapshot waits for the learners' local states (default 120)")
-    p.add_argument("--record-no-payloads", action="store_true",
-                   help="with --record: keep only the hashes of pushed payloads (a smaller tape that cannot be replayed)")
+    add_flags(p, SETTINGS)
 
 
-def resolve_config(args: argparse.Namespace):
-    """The SyncerConfig from the TOML file and the flags (flags win)."""
-    from ddiloco.core.config import from_mapping
+def resolve_settings(args: argparse.Namespace, environ: dict[str, str]) -> Resolved:
+    """The settings from the flags, the `DDILOCO_*` variables and the config file they name."""
+    path = config_location(SETTINGS, args, environ)
+    text = read_config_text(path) if path is not None else None
+    return resolve(SETTINGS, args, environ, config_text=text, config_path=path)
 
-    values: dict = {}
-    if args.config is not None:
-        try:
-            values = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"cannot read config file {args.config}: {exc}") from exc
-        values = dict(values.get("syncer", values))
-    for flag, key in _CORE_FLAGS.items():
-        if getattr(args, flag) is not None:
-            values[key] = getattr(args, flag)
-    outer = dict(values.get("outer", {}))
-    if args.outer_lr is not None:
-        outer["lr"] = args.outer_lr
-    if args.outer_momentum is not None:
-        outer["momentum"] = args.outer_momentum
-    if outer:
-        values["outer"] = outer
-    grace = dict(values.get("grace", {}))
-    for flag, key in (("grace_max_ms", "grace_ms_max"), ("grace_gamma", "gamma"), ("overlap", "overlap")):
-        if getattr(args, flag) is not None:
-            grace[key] = getattr(args, flag)
-    if grace:
-        values["grace"] = grace
-    return from_mapping(values)
+
+def core_config(settings: Resolved):
+    """The core's SyncerConfig from the settings; a bad value is refused naming where it came from."""
+    from ddiloco.core.config import ConfigError, from_mapping
+
+    given = {key: settings.values[key] for key in CORE_KEYS if settings.values[key] is not None}
+    try:
+        return from_mapping(_nested(given))
+    except (ConfigError, ValueError) as exc:
+        # The core names the field; say which of the user's settings it came from.
+        culprits = []
+        for key, value in given.items():
+            try:
+                from_mapping(_nested({key: value}))
+            except (ConfigError, ValueError):
+                culprits.append(key)
+        named = culprits or list(given)
+        where = ", ".join(f"{key} from {settings.sources.get(key, 'the defaults')}" for key in named)
+        raise SettingsError(f"{exc} ({where})") from None
+
+
+def effective(settings: Resolved, config: Any, resumed_from: Path | None) -> dict[str, Any]:
+    """What the first log line shows: every setting's value in force, and the source of those that are
+    not defaults. The core's values are those of `config` (a resumed syncer keeps its checkpoint's)."""
+    core = config.to_dict()
+    values, sources = {}, dict(settings.sources)
+    for s in SETTINGS:
+        value = settings.values[s.key]
+        if s.key in CORE_KEYS:
+            table, _, name = CORE_KEYS[s.key].rpartition(".")
+            value = core[table][name] if table else core[name]
+            if resumed_from is not None:
+                sources[s.key] = f"checkpoint {resumed_from.name}"
+        values[s.key] = str(value) if isinstance(value, Path) else value
+    return {**values, "sources": sources}
 
 
 def run(args: argparse.Namespace) -> int:
-    import orjson
+    import asyncio
 
     from ddiloco import kernels
     from ddiloco.core import checkpoint, syncer
     from ddiloco.net import server, store
-    from ddiloco.net.auth import read_token_file
+    from ddiloco.net.auth import check_exposure, read_token_file
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    settings = resolve_settings(args, dict(os.environ))
+    v = settings.values
+    if v["resume"] is not None and v["init"] is not None:
+        raise ValueError("resume and init exclude each other: a resumed syncer already holds parameters")
+    if v["record_no_payloads"] and v["record"] is None:
+        raise ValueError("record_no_payloads needs record DIR")
     log = logging.getLogger("ddiloco.syncer")
-    if args.resume is not None and args.init is not None:
-        raise ValueError("--resume and --init exclude each other: a resumed syncer already holds parameters")
-    if args.resume is not None:
-        try:
-            state, path = store.newest_valid(args.resume)
-        except store.StoreError as exc:
-            raise ValueError(f"cannot resume: {exc}") from exc
-        config = state.config
-        log.info("config %s", orjson.dumps({"resumed_from": str(path), **config.to_dict()}).decode())
-        log.info("resumed from %s: %d merges, global step %d", path.name, state.merges, state.global_step)
-    else:
-        config = resolve_config(args)
-        log.info("config %s", orjson.dumps(config.to_dict()).decode())
-        if args.init is not None:
+    # Reading the checkpoint and the token may log (a corrupt checkpoint skipped, a shared token
+    # accepted): those lines are held until the configuration has been logged, which comes first.
+    with _HeldRecords(v["log_level"]) as held:
+        resumed_from = None
+        if v["resume"] is not None:
             try:
-                initial = checkpoint.restore(args.init.read_bytes())
-            except OSError as exc:
-                raise ValueError(f"cannot read --init {args.init}: {exc.strerror}") from exc
-            state = syncer.new_state(config, initial.layout, [f.theta for f in initial.fragments])
-            log.info("initial parameters from %s (layout %s)", args.init, state.layout.digest[:12])
+                state, resumed_from = store.newest_valid(v["resume"])
+            except store.StoreError as exc:
+                raise ValueError(f"cannot resume: {exc}") from exc
+            config = state.config
+            ignored = sorted(key for key in CORE_KEYS if key in settings.sources)
+            if ignored:
+                log.warning("resuming keeps the checkpoint's configuration: %s not applied",
+                            ", ".join(f"{key} {settings.sources[key]}" for key in ignored))
         else:
-            state = syncer.new_state(config)
-            log.info("no --init: version 0 will come from the first learner's hello")
-    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
+            config = core_config(settings)
+            state = None
+        token = read_token_file(v["auth_token_file"], allow_shared=v["allow_shared_token"]) if v["auth_token_file"] else None
+        check_exposure(v["host"], token, v["insecure_no_auth"])
+    logging.basicConfig(level=v["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    log.info("config %s", orjson.dumps(effective(settings, config, resumed_from)).decode())
+    held.replay()
+    if state is not None:
+        log.info("resumed from %s: %d merges, global step %d", resumed_from.name, state.merges, state.global_step)
+    elif v["init"] is not None:
+        try:
+            initial = checkpoint.restore(Path(v["init"]).read_bytes())
+        except OSError as exc:
+            raise ValueError(f"cannot read init {v['init']}: {exc.strerror}") from exc
+        state = syncer.new_state(config, initial.layout, [f.theta for f in initial.fragments])
+        log.info("initial parameters from %s (layout %s)", v["init"], state.layout.digest[:12])
+    else:
+        state = syncer.new_state(config)
+        log.info("no init: version 0 will come from the first learner's hello")
     if token is None:
-        log.warning("no --auth-token-file: any peer that reaches the port may join")
+        log.warning("no auth token: any peer that reaches %s:%d may join", v["host"], v["port"])
     kernels.warmup()
     server_config = server.ServerConfig(
-        host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume,
-        snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_wait_s_max=args.snapshot_wait_s,
+        host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
+        snapshot_dir=v["snapshot_dir"], snapshot_every_s=v["snapshot_every_s"], snapshot_wait_s_max=v["snapshot_wait_s"],
     )
-    tape = _open_tape(args, state, log)
+    tape = _open_tape(v, state, log)
     daemon = server.SyncerServer(state, server_config, tape=tape)
     server.use_uvloop()
     asyncio.run(daemon.serve_forever())
     return 0
 
 
-def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
-    """The tape writer for --record, started from the state the daemon is about to serve."""
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        table, _, name = CORE_KEYS[key].rpartition(".")
+        (out.setdefault(table, {}) if table else out)[name] = value
+    return out
+
+
+class _HeldRecords(logging.Handler):
+    """Collects the records logged inside the `with` block, to be handled once logging is set up."""
+
+    def __init__(self, level: str) -> None:
+        super().__init__(level.upper())
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> Self:
+        root = logging.getLogger()
+        self._level = root.level
+        root.addHandler(self)
+        root.setLevel(self.level)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self._level)
+
+    def replay(self) -> None:
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+
+
+def _open_tape(v: dict[str, Any], state, log: logging.Logger):
+    """The tape writer for `record`, started from the state the daemon is about to serve."""
     from ddiloco.core import tape as tapes
 
-    if args.record is None:
-        if args.record_no_payloads:
-            raise ValueError("--record-no-payloads needs --record DIR")
+    if v["record"] is None:
         return None
-    source = f"resume {args.resume}" if args.resume else f"init {args.init}" if args.init else "no parameters"
-    options = tapes.TapeOptions(keep_payloads=not args.record_no_payloads)
+    source = f"resume {v['resume']}" if v["resume"] else f"init {v['init']}" if v["init"] else "no parameters"
+    options = tapes.TapeOptions(keep_payloads=not v["record_no_payloads"])
     try:
-        writer = tapes.TapeWriter.create(args.record, state, source, options)
+        writer = tapes.TapeWriter.create(v["record"], state, source, options)
     except tapes.TapeError as exc:
         raise ValueError(str(exc)) from exc
-    log.info("recording the event tape in %s (payloads %s)", args.record, "kept" if options.keep_payloads else "hashed only")
+    log.info("recording the event tape in %s (payloads %s)", v["record"], "kept" if options.keep_payloads else "hashed only")
     return writer
-
-

@@ -1,7 +1,7 @@
 """The syncer's configuration: one frozen, validated value, the first line of the daemon's log.
 
-The CLI flags and the TOML file map one-to-one onto these fields (`from_mapping`); nothing else, no
-environment variable, changes them.
+`ddiloco syncer`'s settings (its flags, `DDILOCO_*` variables and TOML file: `cli.settings`) reach
+these fields through `from_mapping`; nothing else changes them.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from ddiloco.learner import data
 from ddiloco.learner import model as reference
 from ddiloco.learner.tree import TreeFragments
 from ddiloco.net import snapshot as snapshots
+from ddiloco.net.auth import write_token_file
 
 POLL_S = 0.5
 EVAL_WINDOWS = 64
@@ -186,7 +187,7 @@ class _Demo:
     def __init__(self, cfg: DemoConfig, work: Path, view) -> None:
         self.cfg, self.work, self.view = cfg, work, view
         self.token_file = work / "token"
-        self.token_file.write_text(secrets.token_hex(16) + "\n")
+        write_token_file(self.token_file, secrets.token_hex(16))
         self.token = self.token_file.read_text().strip()
         self.restore = _restore_plan(cfg)  # learner name -> its local state file in the snapshot
         self.events: list[dict] = []

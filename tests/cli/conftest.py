@@ -4,18 +4,19 @@ import sys
 import time
 
 import pytest
+from ddiloco.net.auth import write_token_file
 
 TOKEN = "cli-test-token-0123456789"
 
 
-def _start(tmp_path, *extra):
+def _start(tmp_path, *extra, env=None):
     """`ddiloco syncer` in a real process; returns (process, port, log lines so far)."""
     token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
+    write_token_file(token, TOKEN)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(token),
          "--checkpoint-dir", str(tmp_path / "ck"), *extra],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, env=env,
     )
     lines = []
     deadline = time.monotonic() + 60

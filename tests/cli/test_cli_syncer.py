@@ -1,10 +1,12 @@
 """`ddiloco syncer` as a user runs it: a real process, its log, its HTTP endpoints, SIGTERM."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +14,9 @@ import pytest
 def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
     proc, port, lines = start_syncer(tmp_path, "--quorum", "2", "--fragments", "3")
     try:
-        first = json.loads(lines[0].split("config ", 1)[1])  # the resolved config is the first log line
-        assert first["quorum"] == 2 and first["num_fragments"] == 3
+        first = json.loads(lines[0].split("config ", 1)[1])  # the effective config is the first log line
+        assert first["quorum"] == 2 and first["fragments"] == 3 and first["period"] == 4  # the core's default
+        assert first["sources"]["quorum"] == "flag --quorum" and "period" not in first["sources"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.read() == b"ok\n"
         status = subprocess.run(
@@ -41,3 +44,118 @@ def test_bad_flags_get_one_clear_line(tmp_path, args, message):
     out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def _env(**variables):
+    """This process's environment without any DDILOCO_* variable, plus `variables`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDILOCO_")}
+    return {**env, **variables}
+
+
+def test_flags_win_over_environment_over_file_and_the_first_line_says_where_each_value_came_from(tmp_path, start_syncer):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "syncer.toml").write_text('quorum = 3\nfragments = 5\nperiod = 6\nsnapshot_dir = "snaps"\noverlap = 3\n')
+    env = _env(DDILOCO_CONFIG=str(conf / "syncer.toml"), DDILOCO_FRAGMENTS="2", DDILOCO_PERIOD="7")
+    proc, _, lines = start_syncer(tmp_path, "--period", "8", env=env)
+    try:
+        assert lines[0].split(": ", 1)[1].startswith("config {")
+        first = json.loads(lines[0].split("config ", 1)[1])
+        assert (first["quorum"], first["fragments"], first["period"], first["overlap"]) == (3, 2, 8, 3)
+        assert first["snapshot_dir"] == str(conf / "snaps")  # relative to the file, not the working directory
+        file = f"file {conf / 'syncer.toml'}"
+        assert first["sources"] == {
+            "config": "env DDILOCO_CONFIG", "quorum": file, "snapshot_dir": file, "overlap": file,
+            "fragments": "env DDILOCO_FRAGMENTS", "period": "flag --period",
+            "port": "flag --port", "auth_token_file": "flag --auth-token-file", "checkpoint_dir": "flag --checkpoint-dir",
+        }
+        with urllib.request.urlopen(f"http://127.0.0.1:{_port(lines)}/status", timeout=5) as r:
+            config = json.loads(r.read())["config"]
+        assert (config["quorum"], config["num_fragments"], config["period"], config["grace"]["overlap"]) == (3, 2, 8, 3)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _port(lines):
+    return int(lines[-1].rsplit(":", 1)[1])
+
+
+def test_a_shared_token_file_is_accepted_with_allow_shared_token_and_a_warning_after_the_config(tmp_path, start_syncer):
+    shared = tmp_path / "shared-token"
+    shared.write_text("shared-token-0123456789abcdef\n")
+    shared.chmod(0o640)
+    proc, _, lines = start_syncer(tmp_path, "--auth-token-file", str(shared), "--allow-shared-token")
+    try:
+        assert " config {" in lines[0]
+        assert json.loads(lines[0].split("config ", 1)[1])["allow_shared_token"] is True
+        warnings = [line for line in lines if "WARNING" in line]
+        assert len(warnings) == 1 and "readable by group (mode 0640)" in warnings[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _refusal(tmp_path, args, env=None, toml=None):
+    if toml is not None:
+        (tmp_path / "syncer.toml").write_text(toml)
+        args = ["--config", "syncer.toml", *args]
+    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", *args], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=_env(**(env or {})))
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    return out.stderr
+
+
+@pytest.mark.parametrize(
+    "toml, env, message",
+    [
+        ("quorom = 2\n", {}, "unknown key 'quorom' in syncer.toml; known: ["),
+        ('auth-token-file = "token"\n', {}, "did you mean 'auth_token_file'?"),
+        ('port = "8470"\n', {}, "port in syncer.toml: expected an integer, got str '8470'"),
+        ("port = 70000\n", {}, "port in syncer.toml: 70000 is outside [0, 65535]"),
+        ('merge = "median"\n', {}, "merge in syncer.toml: 'median' is not one of ['rda', 'mean']"),
+        ("quorum = 0\n", {}, "quorum must be an integer in [1, 256], got 0 (quorum from file syncer.toml)"),
+        ('config = "other.toml"\n', {}, "config in syncer.toml: not allowed in a config file"),
+        ("[syncer]\nquorum = 2\n", {}, "no tables; found table 'syncer'"),
+        ("quorum = \n", {}, "syncer.toml is not valid TOML"),
+        (None, {"DDILOCO_QUORUM": "two"}, "quorum from env DDILOCO_QUORUM: expected an integer, got 'two'"),
+        (None, {"DDILOCO_QOURUM": "2"}, "unknown environment variable DDILOCO_QOURUM"),
+        (None, {"DDILOCO_INSECURE_NO_AUTH": "maybe"}, "insecure_no_auth from env DDILOCO_INSECURE_NO_AUTH: expected one of"),
+        (None, {"DDILOCO_CONFIG": "missing.toml"}, "cannot read config file missing.toml"),
+    ],
+)
+def test_unknown_keys_and_bad_values_are_refused_naming_the_key_and_its_source(tmp_path, toml, env, message):
+    assert message in _refusal(tmp_path, [], env=env, toml=toml)
+
+
+@pytest.mark.parametrize(
+    "mode, token, args, message",
+    [
+        (0o644, "a-strong-enough-token-0123456789", [], "readable by group and others (mode 0644): run `chmod 600"),
+        (0o604, "a-strong-enough-token-0123456789", [], "readable by others (mode 0604)"),
+        (0o600, "a" * 16, [], "only 1 distinct characters"),
+        (0o600, "0123456789abcdef" * 2, [], "estimated 64 bits of entropy, fewer than 128"),
+        (0o600, "0a1b2c3d4e5f6a7b", [], "estimated 64 bits of entropy, fewer than 128"),
+    ],
+)
+def test_weak_or_shared_tokens_are_refused(tmp_path, mode, token, args, message):
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "token").chmod(mode)
+    assert message in _refusal(tmp_path, ["--auth-token-file", "token", *args])
+
+
+def test_no_token_on_an_address_others_can_reach_is_refused_unless_insecure_no_auth(tmp_path):
+    assert "pass --insecure-no-auth" in _refusal(tmp_path, ["--host", "0.0.0.0"])
+    assert "pass --insecure-no-auth" in _refusal(tmp_path, [], env={"DDILOCO_HOST": "::"})
+
+
+def test_the_readme_token_command_makes_a_token_the_syncer_accepts(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## The syncer daemon", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    making = [line for line in block.splitlines() if "token" in line and not line.startswith("ddiloco ")]
+    assert any("secrets.token_hex(16)" in line for line in making) and any("chmod 600 token" in line for line in making)
+    subprocess.run(["bash", "-euc", "\n".join(making).replace("python ", f"{sys.executable} ")], cwd=tmp_path, check=True)
+    from ddiloco.net.auth import read_token_file
+
+    assert len(read_token_file(tmp_path / "token")) == 32

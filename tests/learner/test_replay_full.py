@@ -15,6 +15,7 @@ import pytest
 from ddiloco.core import tape as tapes
 from ddiloco.learner import replay as full
 from ddiloco.learner import tape as ltapes
+from ddiloco.net.auth import write_token_file
 
 TOKEN = "replay-full-token-0123456789"
 DEADLINE_S = 180
@@ -73,7 +74,7 @@ def _step(port, learner_id):
 @pytest.fixture(scope="module")
 def recording(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("replay-full")
-    (tmp_path / "token").write_text(TOKEN + "\n")
+    write_token_file(tmp_path / "token", TOKEN)
     rec = tmp_path / "rec"
     syncer, port = _syncer(tmp_path, rec)
     procs = []
