@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", type=Path, help="initial parameters (a checkpoint file written by the learner side)")
     p.add_argument("--checkpoint-dir", type=Path, help="where checkpoints are written")
     p.add_argument("--resume", type=Path, help="continue from the newest valid checkpoint in this directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --checkpoint-dir that holds another run's checkpoints "
+                        "(they are deleted once the new run's first checkpoint is written)")
     p.add_argument("--auth-token-file", type=Path, help="file holding the shared bearer token")
     p.add_argument("--fragments", type=int, help="P, number of fragments (default 4)")
     p.add_argument("--period", type=int, help="H, steps between two syncs of one fragment (default 4)")
@@ -137,12 +140,19 @@ def run(args: argparse.Namespace) -> int:
     server_config = server.ServerConfig(
         host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume,
         snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_wait_s_max=args.snapshot_wait_s,
+        run_id=store.run_of(path) if args.resume is not None else None, checkpoint_overwrite=args.overwrite,
     )
-    tape = _open_tape(args, state, log)
-    daemon = server.SyncerServer(state, server_config, tape=tape)
+    try:
+        daemon = server.SyncerServer(state, server_config)
+    except store.StoreError as exc:
+        raise ValueError(str(exc)) from exc
+    if daemon.checkpoints is not None:
+        log.info("checkpoints of run %s go to %s", daemon.checkpoints.run, daemon.checkpoints.directory)
+    daemon.tape = _open_tape(args, state, log)
     server.use_uvloop()
     asyncio.run(daemon.serve_forever())
-    return 0
+    # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
+    return 0 if daemon.checkpoints is None or daemon.checkpoints.health.ok else 1
 
 
 def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
