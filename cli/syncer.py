@@ -100,7 +100,6 @@ def resolve_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import orjson
-
     from ddiloco import kernels
     from ddiloco.core import checkpoint, syncer
     from ddiloco.net import server, store
@@ -158,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
 def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
     """The tape writer for --record, started from the state the daemon is about to serve."""
     from ddiloco.core import tape as tapes
+    from ddiloco.net import recording
 
     if args.record is None:
         if args.record_no_payloads:
@@ -166,7 +166,7 @@ def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
     source = f"resume {args.resume}" if args.resume else f"init {args.init}" if args.init else "no parameters"
     options = tapes.TapeOptions(keep_payloads=not args.record_no_payloads)
     try:
-        writer = tapes.TapeWriter.create(args.record, state, source, options)
+        writer = recording.TapeWriter.create(args.record, state, source, options)
     except tapes.TapeError as exc:
         raise ValueError(str(exc)) from exc
     log.info("recording the event tape in %s (payloads %s)", args.record, "kept" if options.keep_payloads else "hashed only")

@@ -32,13 +32,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import orjson
 import safetensors
 import safetensors.numpy
-
 from ddiloco.core.config import from_mapping
 from ddiloco.core.grace import Timing
 from ddiloco.core.layout import layout_from_description

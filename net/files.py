@@ -80,8 +80,10 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
 
 
-def write_atomic(path: Path | str, parts: Iterable[bytes | bytearray | memoryview], *, what: str = "write") -> int:
+def write_atomic(path: Path | str, parts: Iterable[bytes | bytearray | memoryview], *, what: str = "write", sync: bool = True) -> int:
     """Write the concatenation of `parts` to `path` atomically and durably; returns the bytes written.
+    `sync=False` leaves out both fsyncs, for a caller that batches them (`fsync_file`, then
+    `fsync_directory`): the rename is still atomic, only not yet durable.
 
     Raises FileError (naming `path`, `what` was being done and the cause); the temporary file is gone
     then, unless removing it failed as well, which the error's text says."""
@@ -93,10 +95,13 @@ def write_atomic(path: Path | str, parts: Iterable[bytes | bytearray | memoryvie
             for part in parts:
                 size += fh.write(part)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         raise FileError(what, path, exc, _remove_after_failure(tmp)) from exc
+    if not sync:
+        return size
     try:
         fsync_directory(path.parent)
     except OSError as exc:  # renamed, but the rename itself may not survive a power cut

@@ -50,7 +50,7 @@ from ddiloco.core.events import (
 )
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import messages as msg
-from ddiloco.net import session, store, wire
+from ddiloco.net import recording, session, store, wire
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.connection import Connection, QueueLimits, SlowPeerError
@@ -142,7 +142,7 @@ class SyncerServer:
         state: core.SyncerState,
         config: ServerConfig,
         clock: Callable[[], float] = time.monotonic,
-        tape: tapes.TapeWriter | None = None,
+        tape: recording.TapeWriter | None = None,
     ):
         self.state = state
         # The syncer's vector clock lives here in the shell, not in the core state: no decision of the

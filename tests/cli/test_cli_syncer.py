@@ -45,7 +45,6 @@ def test_bad_flags_get_one_clear_line(tmp_path, args, message):
 
 def _another_runs_checkpoint(directory):
     import numpy as np
-
     from ddiloco.core import syncer
     from ddiloco.core.config import SyncerConfig
     from ddiloco.core.layout import TensorSpec, build_layout

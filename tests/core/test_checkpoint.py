@@ -5,7 +5,6 @@ import orjson
 import pytest
 import safetensors
 import safetensors.numpy
-
 from ddiloco.core import checkpoint, syncer
 from ddiloco.core.checkpoint import CheckpointError
 from ddiloco.core.config import SyncerConfig

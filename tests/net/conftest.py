@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from ddiloco.net import files
 
 DISK_BYTES = 256 << 10

@@ -4,7 +4,6 @@ import errno
 import pickle
 
 import pytest
-
 from ddiloco.net import files
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import TensorSpec, build_layout
