@@ -142,18 +142,18 @@ def finish(snap: Snapshot, now: float, kept: int = SNAPSHOTS_KEPT_DEFAULT) -> Pa
     for learner in sorted(snap.open):
         snap.left_out[learner] = "no local state within the snapshot's wait limit"
     snap.open.clear()
-    files = {snap.syncer_file: _sha256_file(snap.directory / snap.syncer_file)}
-    files |= {s["file"]: s["sha256"] for s in snap.states.values()}
+    digests = {snap.syncer_file: _sha256_file(snap.directory / snap.syncer_file)}
+    digests |= {s["file"]: s["sha256"] for s in snap.states.values()}
     for r in snap.inflight:
         for value in r["fields"].values():
             if isinstance(value, dict) and "sha256" in value:
-                files[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
+                digests[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
     manifest = {
         "format": FORMAT, "snapshot": snap.ident, "syncer": snap.syncer_file, **snap.meta,
         "versions": list(snap.versions), "global_step": snap.global_step, "seconds": round(now - snap.started_at, 3),
         "learners": {str(k): v for k, v in sorted(snap.states.items())},
         "left_out": {str(k): v for k, v in sorted(snap.left_out.items())},
-        "inflight": snap.inflight, "files": files,
+        "inflight": snap.inflight, "files": digests,
     }
     try:
         files.write_atomic(snap.directory / MANIFEST, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)],
