@@ -172,7 +172,10 @@ class CheckpointStore:
         adopted = run if run in (NO_RUN, LEGACY_RUN) else None
         if run is None or adopted:
             run = new_id()
-        runs = runs_in(directory)
+        try:
+            runs = runs_in(directory)
+        except OSError as exc:
+            raise StoreError(str(exc)) from exc
         others = {r: n for r, n in runs.items() if r not in (run, adopted)}
         if others and run not in runs and not overwrite:
             listing = ", ".join(f"run {r} ({n} checkpoint{'s' if n != 1 else ''})" for r, n in sorted(others.items()))
@@ -233,7 +236,10 @@ def newest_valid(directory: Path | str) -> tuple[SyncerState, Path]:
     directory = Path(directory)
     if not directory.is_dir():
         raise StoreError(f"checkpoint directory {directory} does not exist")
-    found = _found(directory)
+    try:
+        found = _found(directory)
+    except OSError as exc:
+        raise StoreError(str(exc)) from exc
     if not found:
         raise StoreError(f"no checkpoint in {directory}")
     run = max(found, key=lambda f: (_mtime(f.path), f.run != LEGACY_RUN, f.seq)).run
@@ -260,9 +266,13 @@ def _parse(path: Path) -> _Found | None:
 
 
 def _found(directory: Path) -> list[_Found]:
-    if not directory.is_dir():
+    """The checkpoints in `directory` (none when it does not exist); a FileError when it cannot be listed."""
+    try:
+        return [f for f in map(_parse, directory.iterdir()) if f is not None]
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return [f for f in map(_parse, directory.iterdir()) if f is not None]
+    except OSError as exc:
+        raise files.FileError("list checkpoint directory", directory, exc) from exc
 
 
 def _mtime(path: Path) -> int:

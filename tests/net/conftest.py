@@ -55,7 +55,7 @@ class Disk:
 def _mount_tmpfs(path: Path) -> bool:
     path.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], capture_output=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], capture_output=True, check=False)
     except OSError:
         return False
     return done.returncode == 0

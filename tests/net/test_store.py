@@ -240,3 +240,12 @@ async def test_the_daemon_answers_a_failed_checkpoint_with_an_error(disk):
         await server.stop()  # the last checkpoint fails too: logged and in the health, not a traceback
     assert not server.checkpoints.health.ok and server.checkpoints.health.failures_since_written == 2
     assert server.metrics.checkpoint_failures == 2
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_named_in_the_error(tmp_path):
+    (tmp_path / "ck").write_text("not a directory")
+    ck = opened(tmp_path / "ck")
+    with pytest.raises(store.StoreError, match=f"cannot create checkpoint directory {tmp_path / 'ck'}: File exists"):
+        ck.write(small_state())
+    with pytest.raises(store.StoreError, match="does not exist"):
+        store.newest_valid(tmp_path / "ck")
