@@ -66,9 +66,10 @@ def _print_syncer(result, name: str = "") -> None:
 
 
 def _syncer_only(args: argparse.Namespace) -> dict:
-    from ddiloco.core import replay, tape
+    from ddiloco.core import replay
+    from ddiloco.net import recording
 
-    result = replay.replay(tape.read(args.tape_dir))
+    result = replay.replay(recording.read(args.tape_dir))
     _print_syncer(result)
     return {**_result_json(result), "divergence_text": str(result.divergence)}
 

@@ -40,6 +40,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checkpoint-dir", Path, "where checkpoints are written", metavar="DIR"),
     Setting("init", Path, "initial parameters (a checkpoint file written by the learner side)", metavar="FILE"),
     Setting("resume", Path, "continue from the newest valid checkpoint in this directory", metavar="DIR"),
+    Setting("overwrite", bool, "start a new run in a checkpoint-dir that holds another run's checkpoints "
+            "(they are deleted once the new run's first checkpoint is written)", default=False),
     Setting("fragments", int, "P, number of fragments (default 4)"),
     Setting("period", int, "H, steps between two syncs of one fragment (default 4)"),
     Setting("strategy", str, "how tensors are grouped into fragments (default balanced)", choices=("layer", "tensor", "balanced")),
@@ -180,12 +182,19 @@ def run(args: argparse.Namespace) -> int:
     server_config = server.ServerConfig(
         host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
         snapshot_dir=v["snapshot_dir"], snapshot_every_s=v["snapshot_every_s"], snapshot_wait_s_max=v["snapshot_wait_s"],
+        run_id=store.run_of(resumed_from) if resumed_from is not None else None, checkpoint_overwrite=v["overwrite"],
     )
-    tape = _open_tape(v, state, log)
-    daemon = server.SyncerServer(state, server_config, tape=tape)
+    try:
+        daemon = server.SyncerServer(state, server_config)
+    except store.StoreError as exc:
+        raise ValueError(str(exc)) from exc
+    if daemon.checkpoints is not None:
+        log.info("checkpoints of run %s go to %s", daemon.checkpoints.run, daemon.checkpoints.directory)
+    daemon.tape = _open_tape(v, state, log)
     server.use_uvloop()
     asyncio.run(daemon.serve_forever())
-    return 0
+    # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
+    return 0 if daemon.checkpoints is None or daemon.checkpoints.health.ok else 1
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -226,13 +235,14 @@ class _HeldRecords(logging.Handler):
 def _open_tape(v: dict[str, Any], state, log: logging.Logger):
     """The tape writer for `record`, started from the state the daemon is about to serve."""
     from ddiloco.core import tape as tapes
+    from ddiloco.net import recording
 
     if v["record"] is None:
         return None
     source = f"resume {v['resume']}" if v["resume"] else f"init {v['init']}" if v["init"] else "no parameters"
     options = tapes.TapeOptions(keep_payloads=not v["record_no_payloads"])
     try:
-        writer = tapes.TapeWriter.create(v["record"], state, source, options)
+        writer = recording.TapeWriter.create(v["record"], state, source, options)
     except tapes.TapeError as exc:
         raise ValueError(str(exc)) from exc
     log.info("recording the event tape in %s (payloads %s)", v["record"], "kept" if options.keep_payloads else "hashed only")

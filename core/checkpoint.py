@@ -1,21 +1,30 @@
-"""The syncer's checkpoint format: a manifest and raw arrays, content hashed, no pickle.
+"""The syncer's checkpoint format: a safetensors file with a JSON manifest, content hashed, no pickle.
 
 A checkpoint holds what a resumed syncer needs to continue with no lost merge: the config, the
 layout, every fragment's parameters, momentum, version and round counter, the global step, the
 counters and the token ledger's books. Learners are not in it: they reconnect by themselves (their
 open token windows are booked as lost, they were never merged).
 
-File layout (little-endian):
+The container (format 2) is a plain safetensors file (docs/checkpoints.md says why), so any tool
+that reads safetensors opens it:
 
-    0    8    magic b"DDCKPT01"
-    8    8    manifest bytes M
-    16   M    manifest, JSON (orjson): fields below, and "arrays": [{name, dtype, shape, offset, nbytes, sha256}]
-    ...       zero padding to a multiple of 64, then each array's raw bytes at its offset
-              (offsets are from the start of the file, 64-byte aligned)
-    end-32 32 sha256 of every byte before it
+    tensors        "theta/<p>" and "momentum/<p>" for every fragment p, F32, one dimension
+    __metadata__   "format": "ddiloco-syncer-checkpoint", "version": "2",
+                   "manifest": the manifest, JSON: the fields of `_manifest`, the run id, and
+                               "arrays": {name: sha256 of its bytes},
+                   "sha256":   sha256 of the manifest's bytes (the checkpoint's content address)
 
-Writing the file atomically (temp file, fsync, rename) is the shell's job; this module only turns a
-state into bytes and bytes back into a state, refusing anything that does not check out.
+The manifest names the sha256 of every array and the manifest's own sha256 is in the metadata, so
+one digest covers every byte that matters; the safetensors reader checks the rest of the header
+(offsets that tile the file exactly: a truncated file is refused). The arrays are written straight
+from the state's buffers (`to_chunks` copies nothing) and read back through the safetensors library.
+
+Format 1 (`DDCKPT01`: a manifest, raw 64-byte-aligned arrays and a trailing sha256 of the whole
+file) is still read, so checkpoints and tapes written before the switch keep working; it is no
+longer written.
+
+Writing the file atomically (temp file, fsync, rename) is the shell's job (net.files); this module
+only turns a state into bytes and bytes back into a state, refusing anything that does not check out.
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import orjson
-
+import safetensors
+import safetensors.numpy
 from ddiloco.core.config import from_mapping
 from ddiloco.core.grace import Timing
 from ddiloco.core.layout import layout_from_description
@@ -35,79 +45,107 @@ from ddiloco.core.ledger import FATES, Ledger
 from ddiloco.core.outer import NesterovState
 from ddiloco.core.syncer import SyncerState, new_state
 
-MAGIC = b"DDCKPT01"
-FORMAT = 1
-_ALIGN = 64
+__all__ = ["CONTAINER", "FORMAT", "CheckpointError", "content_hash", "manifest_of", "restore", "to_chunks"]
+
+CONTAINER = "ddiloco-syncer-checkpoint"  # the metadata's "format": what kind of safetensors file this is
+FORMAT = 2
+MAGIC_V1 = b"DDCKPT01"
 _DIGEST_BYTES = 32
+_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 MANIFEST_BYTES_MAX = 64 << 20
+RUN_CHARS_MAX = 64
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is corrupt, truncated or of another format; the message says which."""
 
 
-def to_chunks(state: SyncerState) -> list[bytes | memoryview]:
-    """The checkpoint as a list of byte chunks (arrays are not copied) ending in the digest."""
+def to_chunks(state: SyncerState, run: str = "") -> list[bytes | memoryview]:
+    """The checkpoint as a list of byte chunks, the arrays not copied. `run` names the run that
+    wrote it (net.store; empty when it belongs to none, as a tape's initial state)."""
     if not state.holds_parameters:
         raise CheckpointError("the syncer holds no parameters yet: nothing to checkpoint")
+    if len(run) > RUN_CHARS_MAX:
+        raise CheckpointError(f"run id of {len(run)} characters is above the limit of {RUN_CHARS_MAX}")
     arrays = []
     for p, frag in enumerate(state.fragments):
         arrays += [(f"theta/{p}", frag.theta), (f"momentum/{p}", frag.momentum.buf)]
-    manifest = _manifest(state)
-    hashes = [hashlib.sha256(memoryview(arr)).hexdigest() for _, arr in arrays]
-    # The offsets depend on the manifest's own length, which depends on the offsets: iterate to the
-    # fixed point (two rounds at most in practice).
-    entries, header_len = [], 0
-    for _ in range(4):
-        offset = _aligned(16 + header_len)
-        entries = []
-        for (name, arr), sha in zip(arrays, hashes):
-            entries.append(
-                {"name": name, "dtype": "float32", "shape": [int(arr.size)], "offset": offset,
-                 "nbytes": int(arr.nbytes), "sha256": sha}
-            )
-            offset = _aligned(offset + arr.nbytes)
-        body = orjson.dumps({**manifest, "arrays": entries})
-        if len(body) == header_len:
-            break
-        header_len = len(body)
-    assert len(body) == header_len, "checkpoint manifest layout did not converge"
-    chunks: list[bytes | memoryview] = [MAGIC, struct.pack("<Q", len(body)), body]
-    position = 16 + len(body)
-    for entry, (_, arr) in zip(entries, arrays):
-        chunks.append(b"\0" * (entry["offset"] - position))
-        chunks.append(memoryview(arr).cast("B"))
-        position = entry["offset"] + arr.nbytes
-    digest = hashlib.sha256()
-    for c in chunks:
-        digest.update(c)
-    chunks.append(digest.digest())
-    return chunks
+    hashes = {name: hashlib.sha256(memoryview(arr)).hexdigest() for name, arr in arrays}
+    manifest = orjson.dumps({**_manifest(state), "run": run, "arrays": hashes})
+    header: dict = {"__metadata__": {"format": CONTAINER, "version": str(FORMAT), "manifest": manifest.decode(),
+                                     "sha256": hashlib.sha256(manifest).hexdigest()}}
+    offset = 0
+    for name, arr in arrays:
+        assert arr.dtype == np.float32 and arr.ndim == 1, f"{name} is {arr.dtype} of {arr.ndim} dimensions"
+        header[name] = {"dtype": "F32", "shape": [int(arr.size)], "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    body = orjson.dumps(header)
+    body += b" " * (-len(body) % _HEADER_ALIGN)
+    return [struct.pack("<Q", len(body)) + body, *(memoryview(arr).cast("B") for _, arr in arrays)]
 
 
 def restore(buf: bytes | bytearray | memoryview) -> SyncerState:
-    """A syncer state from checkpoint bytes; raises CheckpointError on any mismatch."""
+    """A syncer state from checkpoint bytes (format 2, or format 1); raises CheckpointError on any mismatch."""
     view = memoryview(buf).cast("B")
-    if view.nbytes < 16 + _DIGEST_BYTES or bytes(view[:8]) != MAGIC:
-        raise CheckpointError("not a ddiloco checkpoint (bad magic or too short)")
-    if hashlib.sha256(view[:-_DIGEST_BYTES]).digest() != bytes(view[-_DIGEST_BYTES:]):
-        raise CheckpointError("checkpoint digest mismatch: the file is truncated or corrupt")
-    (mlen,) = struct.unpack_from("<Q", view, 8)
-    if mlen > MANIFEST_BYTES_MAX or 16 + mlen > view.nbytes - _DIGEST_BYTES:
-        raise CheckpointError(f"manifest length {mlen} does not fit the file")
+    if bytes(view[:8]) == MAGIC_V1:
+        return _restore_v1(view)
+    manifest = manifest_of(view)
     try:
-        manifest = orjson.loads(bytes(view[16 : 16 + mlen]))
-        return _state_from(manifest, view)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise CheckpointError(f"checkpoint manifest does not match format {FORMAT}: {exc!r}") from exc
+        tensors = safetensors.numpy.load(bytes(view))
+    except safetensors.SafetensorError as exc:
+        raise CheckpointError(f"the safetensors container is truncated or corrupt: {exc}") from exc
+    arrays = {}
+    for name, sha in manifest["arrays"].items():
+        arr = tensors.get(name)
+        if arr is None or arr.dtype != np.float32 or arr.ndim != 1:
+            raise CheckpointError(f"array {name!r} is missing or not a one-dimensional float32 tensor")
+        if hashlib.sha256(memoryview(arr)).hexdigest() != sha:
+            raise CheckpointError(f"array {name!r} fails its content hash")
+        arrays[name] = arr
+    return _checked_state(manifest, arrays)
+
+
+def manifest_of(buf: bytes | bytearray | memoryview) -> dict:
+    """The manifest of a format-2 checkpoint (run id, versions, counters: no arrays), its hash checked."""
+    view = memoryview(buf).cast("B")
+    meta = _metadata(view)
+    raw = meta["manifest"].encode()
+    if hashlib.sha256(raw).hexdigest() != meta["sha256"]:
+        raise CheckpointError("checkpoint manifest fails its content hash: the file is corrupt")
+    try:
+        manifest = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint manifest is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("arrays"), dict):
+        raise CheckpointError("checkpoint manifest is not an object with its arrays")
+    return manifest
 
 
 def content_hash(chunks: Iterable[bytes | memoryview]) -> str:
-    """The hex digest a checkpoint's chunks end with (its content address)."""
-    *_, last = chunks
-    return bytes(last).hex()
+    """The checkpoint's content address (hex sha256 of its manifest, which names every array's hash)."""
+    first = next(iter(chunks))
+    return _metadata(memoryview(first).cast("B"))["sha256"]
+
+
+def _metadata(view: memoryview) -> dict:
+    """The safetensors header's `__metadata__` of a ddiloco checkpoint, or CheckpointError."""
+    if view.nbytes < 8:
+        raise CheckpointError("not a ddiloco checkpoint: shorter than a safetensors header")
+    (hlen,) = struct.unpack_from("<Q", view, 0)
+    if hlen > MANIFEST_BYTES_MAX or 8 + hlen > view.nbytes:
+        raise CheckpointError(f"not a ddiloco checkpoint, or a truncated one: header of {hlen} bytes does not fit")
+    try:
+        header = orjson.loads(bytes(view[8 : 8 + hlen]).rstrip(b" "))
+    except orjson.JSONDecodeError as exc:
+        raise CheckpointError(f"not a ddiloco checkpoint: the header is not JSON ({exc})") from exc
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != CONTAINER:
+        raise CheckpointError(f"not a ddiloco checkpoint: a safetensors file without format {CONTAINER!r} in its metadata")
+    if meta.get("version") != str(FORMAT):
+        raise CheckpointError(f"checkpoint format {meta.get('version')!r}; this version reads formats {FORMAT} and 1")
+    if not isinstance(meta.get("manifest"), str) or not isinstance(meta.get("sha256"), str):
+        raise CheckpointError("checkpoint metadata lacks its manifest or its sha256")
+    return meta
 
 
 def _manifest(state: SyncerState) -> dict:
@@ -127,21 +165,48 @@ def _manifest(state: SyncerState) -> dict:
     }
 
 
-def _state_from(manifest: dict, view: memoryview) -> SyncerState:
-    if manifest["format"] != FORMAT:
-        raise CheckpointError(f"checkpoint format {manifest['format']} is not {FORMAT}")
+def _restore_v1(view: memoryview) -> SyncerState:
+    """Format 1: magic, manifest length, manifest, 64-byte-aligned raw arrays, sha256 of all before it."""
+    if view.nbytes < 16 + _DIGEST_BYTES:
+        raise CheckpointError("not a ddiloco checkpoint (format 1, too short)")
+    if hashlib.sha256(view[:-_DIGEST_BYTES]).digest() != bytes(view[-_DIGEST_BYTES:]):
+        raise CheckpointError("checkpoint digest mismatch: the file is truncated or corrupt")
+    (mlen,) = struct.unpack_from("<Q", view, 8)
+    if mlen > MANIFEST_BYTES_MAX or 16 + mlen > view.nbytes - _DIGEST_BYTES:
+        raise CheckpointError(f"manifest length {mlen} does not fit the file")
+    try:
+        manifest = orjson.loads(bytes(view[16 : 16 + mlen]))
+        if manifest["format"] != 1:
+            raise CheckpointError(f"checkpoint format {manifest['format']} under the magic of format 1")
+        arrays = {}
+        limit = view.nbytes - _DIGEST_BYTES
+        for entry in manifest["arrays"]:
+            off, n = int(entry["offset"]), int(entry["nbytes"])
+            if entry["dtype"] != "float32" or off < 0 or off + n > limit or n != 4 * int(entry["shape"][0]):
+                raise CheckpointError(f"array {entry['name']!r} does not fit the file")
+            raw = view[off : off + n]
+            if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+                raise CheckpointError(f"array {entry['name']!r} fails its content hash")
+            arrays[entry["name"]] = np.frombuffer(raw, dtype=np.float32).copy()
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"checkpoint manifest does not match format 1: {exc!r}") from exc
+    return _checked_state(manifest, arrays)
+
+
+def _checked_state(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
+    try:
+        return _state_from(manifest, arrays)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint manifest does not match its format: {exc!r}") from exc
+
+
+def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
     config = from_mapping(manifest["config"])
     layout = layout_from_description(manifest["layout"])
-    arrays = {}
-    limit = view.nbytes - _DIGEST_BYTES
-    for entry in manifest["arrays"]:
-        off, n = int(entry["offset"]), int(entry["nbytes"])
-        if entry["dtype"] != "float32" or off < 0 or off + n > limit or n != 4 * int(entry["shape"][0]):
-            raise CheckpointError(f"array {entry['name']!r} does not fit the file")
-        raw = view[off : off + n]
-        if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"array {entry['name']!r} fails its content hash")
-        arrays[entry["name"]] = np.frombuffer(raw, dtype=np.float32).copy()
     params = [arrays[f"theta/{p}"] for p in range(layout.num_fragments)]
     state = new_state(config, layout, params)
     for p, frag in enumerate(state.fragments):
@@ -162,9 +227,6 @@ def _state_from(manifest: dict, view: memoryview) -> SyncerState:
     state.init_source = str(manifest["init_source"])
     state.decisions = deque()
     for p, frag in enumerate(state.fragments):
-        assert frag.theta.shape == (layout.fragments[p].padded_size,)
+        if frag.theta.shape != (layout.fragments[p].padded_size,) or frag.momentum.buf.shape != frag.theta.shape:
+            raise CheckpointError(f"fragment {p}'s arrays do not have the size its layout gives it")
     return state
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN

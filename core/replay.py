@@ -49,7 +49,7 @@ class ReplayResult:
 
 
 def replay(tape: tapes.Tape) -> ReplayResult:
-    """Replay `tape` (from `tapes.read`). Raises TapeError when the tape itself cannot be used
+    """Replay `tape` (from `net.recording.read`, or any `tapes.Tape` with its payloads at hand). Raises TapeError when the tape itself cannot be used
     (payloads not kept, a record that does not decode); differences are results, not errors."""
     state, diverged = _initial_state(tape)
     events = merges = 0
@@ -106,7 +106,7 @@ def _initial_state(tape: tapes.Tape) -> tuple[core.SyncerState, Divergence | Non
         return core.new_state(from_mapping(tape.header["config"])), None
     if start["kind"] != "checkpoint":
         raise tapes.TapeError(f"tape header: unknown start kind {start['kind']!r}")
-    body = tapes.load_payload(tape.directory, start["sha256"], "initial checkpoint")
+    body = tape.payload(start["sha256"], "initial checkpoint")
     try:
         state = checkpoint.restore(body)
     except checkpoint.CheckpointError as exc:

@@ -20,13 +20,16 @@ The first record is the header (the resolved syncer config and how the run start
 kind and fields, payloads by sha256), a "check" record after each merge (fragment, version, sha256
 of the fragment's new values) and at a clean end a "close" record with the final state hash.
 
-Crash safety: records are appended and flushed one by one; the file is fsynced every
-`fsync_every_records` records or `fsync_every_bytes` bytes and at close. A payload is written (temp
-file, rename) before the record that names it. On reading, a last record that is incomplete, or that
-ends exactly at the end of the file and fails its checksum, is a torn tail: it is reported and cut.
-A bad record anywhere else is corruption, an error naming its offset.
+Crash safety (net.recording, which writes and reads the files): records are appended and flushed
+one by one; the file is fsynced every `fsync_every_records` records or `fsync_every_bytes` bytes and
+at close. A payload is written (temp file, rename) before the record that names it. On reading, a
+last record that is incomplete, or that ends exactly at the end of the file and fails its checksum,
+is a torn tail: it is reported and cut. A bad record anywhere else is corruption, an error naming
+its offset.
 
-This module does file I/O (a tape is files) but reads no clock and no randomness.
+This module is the format only, pure like the rest of the core: records to bytes and bytes to
+records, values to JSON and back. It touches no file: the payload store is a function passed in
+(`encode_value`'s `store`, `Tape.stored`), and net.recording supplies the one on disk.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 import struct
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,142 +97,74 @@ class TapeOptions:
             raise ValueError(f"record_bytes_max must be in [1024, {RECORD_BYTES_MAX}], got {self.record_bytes_max}")
 
 
-# ---- writing ----------------------------------------------------------------------------------------
+# ---- records to bytes ------------------------------------------------------------------------------
+
+# Where a payload's bytes go when a record names them: called with the payload's parts, returns their
+# sha256 (net.recording stores them in the tape's payload directory first).
+PayloadStore = Callable[[list], str]
 
 
-class RecordWriter:
-    """Framed JSON records appended to one new file, payloads in a content-addressed store beside
-    it (the syncer's tape, and a learner's: `learner.tape`). Not thread-safe: one thread owns it."""
-
-    def __init__(self, directory: Path, fh, options: TapeOptions):
-        self.directory = directory
-        self.options = options
-        self.events = 0
-        self._fh = fh
-        self._since_sync = (0, 0)  # records, bytes
-        self._unsynced_payloads: list[Path] = []
-
-    def abandon(self) -> None:
-        """Close the file without a close record (the run did not end cleanly)."""
-        if not self._fh.closed:
-            self.sync()
-            self._fh.close()
-
-    def sync(self) -> None:
-        for path in self._unsynced_payloads:
-            _fsync_path(path)
-        self._unsynced_payloads.clear()
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._since_sync = (0, 0)
-
-    def _value(self, value: Any) -> Any:
-        if isinstance(value, codecs.Encoded):
-            parts = payload_parts(value)
-            ref = {"codec": value.codec.value, "block": value.block, "elements": value.elements,
-                   "bytes": sum(p.nbytes for p in parts)}
-            ref["sha256"] = self._store(parts) if self.options.keep_payloads else _sha256(parts)
-            return {"$payload": ref}
-        if isinstance(value, TensorSpec):
-            return {"$tensor": [value.path, list(value.shape), value.dtype, value.embedding]}
-        if isinstance(value, (tuple, list)):
-            return [self._value(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): self._value(v) for k, v in value.items()}
-        if isinstance(value, float) and not math.isfinite(value):
-            raise TapeError(f"cannot tape the non-finite value {value!r}")
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise TapeError(f"cannot tape a value of type {type(value).__name__}")
-
-    def _store(self, parts: list) -> str:
-        """Write `parts` into the payload store under their sha256 (before any record names it)."""
-        sha = _sha256(parts)
-        final = self.directory / PAYLOAD_DIR / sha
-        if final.exists():
-            return sha
-        size = sum(memoryview(p).nbytes for p in parts)
-        if size > PAYLOAD_BYTES_MAX:
-            raise TapeError(f"payload of {size} bytes is above the limit of {PAYLOAD_BYTES_MAX}")
-        tmp = final.with_name(f".{sha}.{os.getpid()}.tmp")  # writers in other processes may race
-        try:
-            with open(tmp, "wb") as fh:
-                fh.writelines(parts)
-            os.replace(tmp, final)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise TapeError(f"cannot store payload {sha[:16]}: {exc.strerror or exc}") from exc
-        self._unsynced_payloads.append(final)
-        return sha
-
-    def _append(self, record: dict) -> None:
-        body = orjson.dumps(record)
-        if len(body) > self.options.record_bytes_max:
-            raise TapeError(f"{record['type']} record of {len(body)} bytes is above record_bytes_max={self.options.record_bytes_max}")
-        self._fh.write(_frame(body))
-        self._fh.write(body)
-        self._fh.flush()
-        records, nbytes = self._since_sync
-        self._since_sync = (records + 1, nbytes + _FRAME.size + len(body))
-        if self._since_sync[0] >= self.options.fsync_every_records or self._since_sync[1] >= self.options.fsync_every_bytes:
-            self.sync()
+def preamble(magic: bytes) -> bytes:
+    """The first bytes of a record file of kind `magic`."""
+    return _PREAMBLE.pack(magic, FORMAT, 0)
 
 
-class TapeWriter(RecordWriter):
-    """Appends records to a new syncer tape. The syncer's core thread owns it."""
-
-    @classmethod
-    def create(cls, directory: Path | str, state: SyncerState, source: str = "", options: TapeOptions = TapeOptions()) -> TapeWriter:
-        """Start a tape for a syncer about to run from `state` (it must not have handled events yet
-        for this run). `source` says where the state came from, for the header."""
-        directory = Path(directory)
-        writer = cls(directory, open_record_file(directory, TAPE_FILE, MAGIC), options)
-        start: dict[str, Any] = {"kind": "empty", "source": source}
-        if state.holds_parameters:
-            chunks = checkpoint.to_chunks(state)
-            sha = writer._store(chunks)
-            start = {"kind": "checkpoint", "source": source, "sha256": sha, "state_hash": state_hash(state)}
-        writer._append({"type": "header", "format": FORMAT, "config": state.config.to_dict(), "start": start,
-                        "keep_payloads": options.keep_payloads})
-        writer.sync()
-        return writer
-
-    def event(self, event: ev.Event, now: float, clock: VClock) -> int:
-        """Record one event before the core handles it; returns its index on the tape."""
-        kind = type(event).__name__
-        assert EVENT_KINDS.get(kind) is type(event), f"{kind} is not an event of the core"
-        if not math.isfinite(now):
-            raise TapeError(f"event {self.events}: now={now!r} is not finite")
-        fields = {f.name: self._value(getattr(event, f.name)) for f in dataclasses.fields(event)}
-        index = self.events
-        self._append({"type": "event", "i": index, "now": now, "clock": clock.as_dict(), "kind": kind, "fields": fields})
-        self.events += 1
-        return index
-
-    def checks(self, index: int, state: SyncerState, effects: Iterable[ev.Effect]) -> None:
-        """After the core handled event `index`: one check record per merge it made."""
-        for effect in effects:
-            if isinstance(effect, ev.Merged):
-                self._append(merge_check(index, state, effect.fragment))
-
-    def close(self, state: SyncerState) -> None:
-        self._append({"type": "close", "events": self.events, "state_hash": state_hash(state)})
-        self.sync()
-        self._fh.close()
+def framed(record: dict, record_bytes_max: int = RECORD_BYTES_MAX) -> bytes:
+    """One record as it goes into the file: frame header, then the JSON body."""
+    body = orjson.dumps(record)
+    if len(body) > record_bytes_max:
+        raise TapeError(f"{record['type']} record of {len(body)} bytes is above record_bytes_max={record_bytes_max}")
+    return _frame(body) + body
 
 
-def open_record_file(directory: Path, name: str, magic: bytes) -> Any:
-    """A new record file `name` in `directory` (and its payload store), its preamble written."""
-    path = directory / name
-    try:
-        (directory / PAYLOAD_DIR).mkdir(parents=True, exist_ok=True)
-        fh = open(path, "xb")  # never append to or overwrite another run's tape
-    except FileExistsError:
-        raise TapeError(f"{path} exists already: a tape records one run, pick a new directory") from None
-    except OSError as exc:
-        raise TapeError(f"cannot create tape {path}: {exc.strerror or exc}") from exc
-    fh.write(_PREAMBLE.pack(magic, FORMAT, 0))
-    return fh
+def encode_value(value: Any, store: PayloadStore) -> Any:
+    """An event field as JSON: payloads by their sha256 (through `store`), tensor specs as lists."""
+    if isinstance(value, codecs.Encoded):
+        parts = payload_parts(value)
+        ref = {"codec": value.codec.value, "block": value.block, "elements": value.elements,
+               "bytes": sum(p.nbytes for p in parts)}
+        ref["sha256"] = store(parts)
+        return {"$payload": ref}
+    if isinstance(value, TensorSpec):
+        return {"$tensor": [value.path, list(value.shape), value.dtype, value.embedding]}
+    if isinstance(value, (tuple, list)):
+        return [encode_value(v, store) for v in value]
+    if isinstance(value, dict):
+        return {str(k): encode_value(v, store) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TapeError(f"cannot tape the non-finite value {value!r}")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TapeError(f"cannot tape a value of type {type(value).__name__}")
+
+
+def header_record(state: SyncerState, source: str, keep_payloads: bool, store: PayloadStore) -> dict:
+    """The first record of a syncer tape: the config and how the run starts (its initial checkpoint
+    goes through `store`). `state` must not have handled events yet for this run."""
+    start: dict[str, Any] = {"kind": "empty", "source": source}
+    if state.holds_parameters:
+        sha = store(checkpoint.to_chunks(state))
+        start = {"kind": "checkpoint", "source": source, "sha256": sha, "state_hash": state_hash(state)}
+    return {"type": "header", "format": FORMAT, "config": state.config.to_dict(), "start": start, "keep_payloads": keep_payloads}
+
+
+def event_record(index: int, event: ev.Event, now: float, clock: VClock, store: PayloadStore) -> dict:
+    """The record of event number `index`, written before the core handles it."""
+    kind = type(event).__name__
+    assert EVENT_KINDS.get(kind) is type(event), f"{kind} is not an event of the core"
+    if not math.isfinite(now):
+        raise TapeError(f"event {index}: now={now!r} is not finite")
+    fields = {f.name: encode_value(getattr(event, f.name), store) for f in dataclasses.fields(event)}
+    return {"type": "event", "i": index, "now": now, "clock": clock.as_dict(), "kind": kind, "fields": fields}
+
+
+def check_records(index: int, state: SyncerState, effects: Iterable[ev.Effect]) -> list[dict]:
+    """After the core handled event `index`: one check record per merge it made."""
+    return [merge_check(index, state, e.fragment) for e in effects if isinstance(e, ev.Merged)]
+
+
+def close_record(events: int, state: SyncerState) -> dict:
+    return {"type": "close", "events": events, "state_hash": state_hash(state)}
 
 
 def merge_check(index: int, state: SyncerState, fragment: int) -> dict:
@@ -251,27 +185,23 @@ def payload_parts(enc: codecs.Encoded) -> list[memoryview]:
     return parts + [memoryview(np.ascontiguousarray(enc.data)).cast("B")]
 
 
-def _sha256(parts: Iterable) -> str:
+def sha256_of(parts: Iterable) -> str:
     h = hashlib.sha256()
     for p in parts:
         h.update(p)
     return h.hexdigest()
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ---- bytes to records ------------------------------------------------------------------------------
 
-
-# ---- reading ----------------------------------------------------------------------------------------
+# The payload store a tape was read with: (sha256, where, for messages) -> the stored bytes, checked
+# against their name (net.recording.load_payload over the tape's payload directory).
+StoredPayloads = Callable[[str, str], bytes]
 
 
 @dataclass(frozen=True)
 class Tape:
-    directory: Path
+    directory: Path  # where it was read from (a name for messages: this module opens nothing)
     header: dict
     records: list  # event and check records, in order
     close: dict | None  # None when the run did not end cleanly
@@ -279,54 +209,55 @@ class Tape:
     good_bytes: int  # where the last intact record ends
     # Payload bodies by sha256 that take the place of the store (bytes a full replay regenerated).
     payloads: dict = dataclasses.field(default_factory=dict)
+    stored: StoredPayloads | None = None  # the payload store; None: payloads only from `payloads`
 
     @property
     def events(self) -> list[dict]:
         return [r for r in self.records if r["type"] == "event"]
 
+    def payload(self, sha: str, where: str) -> bytes:
+        """The bytes named `sha`: regenerated ones first, then the store's."""
+        body = self.payloads.get(sha)
+        if body is not None:
+            got = hashlib.sha256(body).hexdigest()
+            if got != sha:
+                raise PayloadMismatch(where, sha, got)
+            return body
+        if self.stored is None:
+            raise TapeError(f"{where}: payload {str(sha)[:16]} is not at hand (this tape was read without its payload store)")
+        return self.stored(sha, where)
 
-def read(directory: Path | str, *, cut: bool = False) -> Tape:
-    """Read a tape. A torn tail is reported in `torn` (and truncated from the file when `cut`);
-    corruption anywhere else raises TapeError naming the offset."""
-    directory = Path(directory)
-    path = directory / TAPE_FILE
-    bodies, good, torn = read_record_file(path, MAGIC, cut=cut)
+
+def tape_of(directory: Path, parsed: list[tuple[int, dict]], good: int, torn: str | None,
+            stored: StoredPayloads | None = None) -> Tape:
+    """A syncer tape from the records of its file (`parse_records`), each checked for its shape."""
+    where = Path(directory) / TAPE_FILE
     records = []
-    for offset, record in bodies:
+    for offset, record in parsed:
         _check_record(record, offset, sum(1 for r in records if r["type"] == "event"))
         records.append(record)
     if not records or records[0]["type"] != "header":
-        raise TapeError(f"{path} has no header record" + (f" ({torn})" if torn else ""))
+        raise TapeError(f"{where} has no header record" + (f" ({torn})" if torn else ""))
     header, rest = records[0], records[1:]
     close = rest.pop() if rest and rest[-1]["type"] == "close" else None
     if any(r["type"] in ("header", "close") for r in rest):
-        raise TapeError(f"{path}: a header or close record in the middle of the tape")
-    return Tape(directory, header, rest, close, torn, good)
+        raise TapeError(f"{where}: a header or close record in the middle of the tape")
+    return Tape(Path(directory), header, rest, close, torn, good, stored=stored)
 
 
-def read_record_file(path: Path, magic: bytes, *, cut: bool = False) -> tuple[list[tuple[int, dict]], int, str | None]:
-    """(offset, JSON record) of every intact record of a file written by `RecordWriter`, where
-    they end, and the torn-tail note (the tail truncated from the file when `cut`)."""
-    try:
-        size = path.stat().st_size
-        if size > TAPE_BYTES_MAX:
-            raise TapeError(f"{path} has {size} bytes, above the limit of {TAPE_BYTES_MAX}")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise TapeError(f"cannot read tape {path}: {exc.strerror or exc}") from exc
+def parse_records(data: bytes, magic: bytes, where: str) -> tuple[list[tuple[int, dict]], int, str | None]:
+    """(offset, JSON record) of every intact record of a record file's bytes, where they end, and the
+    torn-tail note. `where` names the file in errors."""
+    if len(data) > TAPE_BYTES_MAX:
+        raise TapeError(f"{where} has {len(data)} bytes, above the limit of {TAPE_BYTES_MAX}")
     if len(data) < _PREAMBLE.size:
-        raise TapeError(f"{path} is not a ddiloco tape: {len(data)} bytes, shorter than the preamble")
+        raise TapeError(f"{where} is not a ddiloco tape: {len(data)} bytes, shorter than the preamble")
     found, fmt, reserved = _PREAMBLE.unpack_from(data, 0)
     if found != magic:
-        raise TapeError(f"{path} is not a ddiloco tape of this kind (magic {found!r})")
+        raise TapeError(f"{where} is not a ddiloco tape of this kind (magic {found!r})")
     if fmt != FORMAT or reserved != 0:
-        raise TapeError(f"{path} is tape format {fmt}; this version reads format {FORMAT}")
+        raise TapeError(f"{where} is tape format {fmt}; this version reads format {FORMAT}")
     bodies, good, torn = _frames(data, _PREAMBLE.size)
-    if torn is not None and cut:
-        with open(path, "r+b") as fh:
-            fh.truncate(good)
-            fh.flush()
-            os.fsync(fh.fileno())
     records = []
     for offset, body in bodies:
         try:
@@ -419,34 +350,13 @@ def _decoded(tape: Tape, record: dict, value: Any) -> Any:
 
 def _payload(tape: Tape, record: dict, ref: dict) -> codecs.Encoded:
     where = f"event {record.get('i')} ({record.get('kind')})"
-    body = tape.payloads.get(ref["sha256"])  # regenerated by re-executing the learners (learner.replay)
-    if body is not None:
-        got = hashlib.sha256(body).hexdigest()
-        if got != ref["sha256"]:
-            raise PayloadMismatch(where, ref["sha256"], got)
-    elif not tape.header.get("keep_payloads", True):
+    if ref["sha256"] not in tape.payloads and not tape.header.get("keep_payloads", True):
         raise TapeError(f"{where}: this tape was recorded without payloads (hashes only); "
                         "only `ddiloco replay --full` of a whole recorded demo can regenerate them")
-    else:
-        body = load_payload(tape.directory, ref["sha256"], where)
+    body = tape.payload(ref["sha256"], where)  # regenerated ones come from re-executing the learners (learner.replay)
     if len(body) != ref["bytes"]:
         raise TapeError(f"{where}: stored payload {ref['sha256'][:16]} has {len(body)} bytes, the record says {ref['bytes']}")
     try:
         return codecs.from_body(ref["codec"], ref["block"], ref["elements"], body)
     except codecs.CodecError as exc:
         raise TapeError(f"{where}: stored payload does not parse: {exc}") from exc
-
-
-def load_payload(directory: Path, sha: str, where: str = "tape") -> bytes:
-    """The stored bytes named `sha`, checked against their name."""
-    path = Path(directory) / PAYLOAD_DIR / str(sha)
-    try:
-        body = path.read_bytes()
-    except FileNotFoundError:
-        raise TapeError(f"{where}: payload {str(sha)[:16]} was not kept in {PAYLOAD_DIR}/ (recorded without payloads, or deleted)") from None
-    except OSError as exc:
-        raise TapeError(f"{where}: cannot read payload {str(sha)[:16]}: {exc.strerror or exc}") from exc
-    got = hashlib.sha256(body).hexdigest()
-    if got != sha:
-        raise PayloadMismatch(where, str(sha), got)
-    return body

@@ -31,7 +31,7 @@ from ddiloco.core import replay as core_replay
 from ddiloco.core import tape as tapes
 from ddiloco.learner import recovery
 from ddiloco.learner import tape as ltapes
-from ddiloco.net import peer, session
+from ddiloco.net import peer, recording, session
 
 log = logging.getLogger("ddiloco.replay")
 
@@ -245,7 +245,7 @@ def replay_full(directory: Path | str, cache_dir: Path | None = None) -> FullRes
     checks: dict[tuple[int, int], set[str]] = {}
     fp32 = True
     for d in syncer_dirs:
-        tape = dataclasses.replace(tapes.read(d), payloads=bodies)
+        tape = dataclasses.replace(recording.read(d), payloads=bodies)
         fp32 = fp32 and tape.header["config"].get("broadcast_codec", "fp32") == "fp32"
         result = core_replay.replay(tape)
         out.syncers.append((d.name, result))

@@ -12,8 +12,8 @@ too, to be checked: its pushes and initial fragments (payload hashes), the snaps
 peers, and at a clean end the hash of its final parameters. Records are written before the message
 they describe leaves the process, so a SIGKILL never loses the record of something the syncer saw.
 
-The file format is core.tape's (framed, checksummed JSON records; torn tail cut on reading) with its
-own magic, `learner.ddtp` beside a `payloads/` store.
+The file format is core.tape's (framed, checksummed JSON records; torn tail cut on reading), written
+and read by net.recording, with its own magic, `learner.ddtp` beside a `payloads/` store.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from ddiloco.core import codec as codecs
 from ddiloco.core import tape as tapes
-from ddiloco.net import session
+from ddiloco.net import recording, session
 
 MAGIC = b"DDLTAPE\x01"
 TAPE_FILE = "learner.ddtp"
@@ -56,13 +56,13 @@ def _welcome(d: dict) -> session.WelcomeInfo:
                                d["needs_init"], peers)
 
 
-class LearnerTapeWriter(tapes.RecordWriter):
+class LearnerTapeWriter(recording.RecordWriter):
     """Appends one learner incarnation's records. The training thread owns it."""
 
     @classmethod
     def create(cls, directory: Path | str, config: dict, options: tapes.TapeOptions | None = None) -> LearnerTapeWriter:
         directory = Path(directory)
-        writer = cls(directory, tapes.open_record_file(directory, TAPE_FILE, MAGIC), options or tapes.TapeOptions())
+        writer = cls(directory, recording.open_record_file(directory, TAPE_FILE, MAGIC), options or tapes.TapeOptions())
         writer._append({"type": "header", "format": tapes.FORMAT, "kind": "learner", "config": config})
         writer.sync()
         return writer
@@ -135,11 +135,11 @@ class LearnerTape:
         return out
 
     def encoded(self, ref: dict) -> codecs.Encoded:
-        body = tapes.load_payload(self.directory, ref["sha256"], f"learner tape {self.directory.name}")
+        body = recording.load_payload(self.directory, ref["sha256"], f"learner tape {self.directory.name}")
         return codecs.from_body(ref["codec"], ref["block"], ref["elements"], body)
 
     def snapshot(self, sha: str) -> bytes:
-        return tapes.load_payload(self.directory, sha, f"learner tape {self.directory.name}: recovered snapshot")
+        return recording.load_payload(self.directory, sha, f"learner tape {self.directory.name}: recovered snapshot")
 
     @property
     def last_call(self) -> int:
@@ -152,7 +152,7 @@ class LearnerTape:
 
 def read(directory: Path | str, *, cut: bool = False) -> LearnerTape:
     directory = Path(directory)
-    records, _, torn = tapes.read_record_file(directory / TAPE_FILE, MAGIC, cut=cut)
+    records, _, torn = recording.read_record_file(directory / TAPE_FILE, MAGIC, cut=cut)
     if not records or records[0][1].get("type") != "header" or records[0][1].get("kind") != "learner":
         raise LearnerTapeError(f"{directory / TAPE_FILE} has no learner header" + (f" ({torn})" if torn else ""))
     rest = [r for _, r in records[1:]]

@@ -50,7 +50,7 @@ from ddiloco.core.events import (
 )
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import messages as msg
-from ddiloco.net import session, store, wire
+from ddiloco.net import recording, session, store, wire
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.connection import Connection, QueueLimits, SlowPeerError
@@ -69,6 +69,8 @@ class ServerConfig:
     auth_token: str | None = None
     checkpoint_dir: Path | None = None
     checkpoints_kept: int = store.CHECKPOINTS_KEPT_DEFAULT
+    run_id: str | None = None  # the run the checkpoints belong to (net.store): None for a fresh run, kept on resume
+    checkpoint_overwrite: bool = False  # a fresh run may take a directory holding another run's checkpoints
     events_queued_max: int = 4096
     heartbeat_s: float = 20.0  # websocket ping interval; a peer silent for half of it is closed
     queues: QueueLimits = field(default_factory=QueueLimits)
@@ -140,7 +142,7 @@ class SyncerServer:
         state: core.SyncerState,
         config: ServerConfig,
         clock: Callable[[], float] = time.monotonic,
-        tape: tapes.TapeWriter | None = None,
+        tape: recording.TapeWriter | None = None,
     ):
         self.state = state
         # The syncer's vector clock lives here in the shell, not in the core state: no decision of the
@@ -148,6 +150,9 @@ class SyncerServer:
         # the tape records it beside each event. Only the core thread replaces it (an immutable value).
         self.vclock = VClock()
         self.tape = tape  # records every event the core handles, when given
+        # Raises StoreError at once when the directory belongs to another run (net.store).
+        self.checkpoints = None if config.checkpoint_dir is None else store.CheckpointStore.open(
+            config.checkpoint_dir, config.run_id, overwrite=config.checkpoint_overwrite, keep=config.checkpoints_kept)
         self.config = config
         self.clock = clock
         self.metrics = Metrics()
@@ -389,16 +394,18 @@ class SyncerServer:
             log.warning("dropping learner %s: it does not read (%s)", conn.learner, exc)
             self._spawn(self._close(conn, f"slow peer: {exc}"))
 
-    def _write_checkpoint(self, reason: str) -> None:
-        """Runs on the core thread, between two events."""
+    def _write_checkpoint(self, reason: str) -> str | None:
+        """Runs on the core thread, between two events. Returns what went wrong, if anything
+        (also in `self.checkpoints.health`)."""
         try:
-            written = store.write(self.config.checkpoint_dir, self.state, self.config.checkpoints_kept)
+            written = self.checkpoints.write(self.state)
         except store.StoreError as exc:
             self.metrics.checkpoint_failures += 1
-            log.error("%s", exc)
-            return
+            log.error("%s (%s)", exc, reason)
+            return str(exc)
         self.metrics.checkpoints += 1
         log.info("checkpoint %s (%d bytes, %s)", written.path.name, written.bytes, reason)
+        return None
 
     # ---- websockets -----------------------------------------------------------------------------
 
@@ -522,8 +529,10 @@ class SyncerServer:
             raise web.HTTPConflict(text="no checkpoint directory configured\n")
         if not self.state.holds_parameters:
             raise web.HTTPConflict(text="the syncer holds no parameters yet: nothing to checkpoint\n")
-        await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "requested over HTTP")
-        return web.Response(text="checkpoint written\n")
+        failed = await asyncio.get_running_loop().run_in_executor(self._core, self._write_checkpoint, "requested over HTTP")
+        if failed:
+            raise web.HTTPInsufficientStorage(text=f"{failed}\n")
+        return web.Response(text=f"checkpoint written: {self.checkpoints.health.written}\n")
 
     async def _snapshot_now(self, request: web.Request) -> web.Response:
         """Take a consistent snapshot; answers when it is complete, with its manifest's summary."""

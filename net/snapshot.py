@@ -15,11 +15,13 @@ state arrives, or does not answer within `wait_s_max`, is left out (as if it had
 A snapshot is a directory, written under a temporary name and renamed when complete:
 
     manifest.json                  what is in it, with the sha256 of every file
-    ckpt-....ddck                  the syncer's state (core.checkpoint; `ddiloco syncer --resume DIR` reads it)
+    ckpt-....safetensors           the syncer's state (core.checkpoint, of run net.store.NO_RUN;
+                                   `ddiloco syncer --resume DIR` reads it and starts a new run from it)
     learner-<id>.ddls              each learner's local state (net.peer snapshot bytes; learner.sync)
     inflight/<sha256>              payloads of the messages in flight (pushes, initial fragments)
 
-This module writes and checks those files; the daemon (net.server) drives it. No clock is read here.
+This module writes and checks those files (every file through net.files: atomic, and a failure
+names the path and the cause); the daemon (net.server) drives it. No clock is read here.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from ddiloco.core import checkpoint
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
 from ddiloco.core.syncer import SyncerState, state_hash
+from ddiloco.net import files
+from ddiloco.net.store import NO_RUN, checkpoint_name
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -75,11 +79,11 @@ def begin(root: Path, ident: int, state: SyncerState, learners: dict[int, str], 
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / INFLIGHT_DIR).mkdir(parents=True)
-        chunks = checkpoint.to_chunks(state)
-        name = f"ckpt-{state.merges:012d}-000000-{checkpoint.content_hash(chunks)[:16]}.ddck"
-        _write(tmp / name, chunks)
+        chunks = checkpoint.to_chunks(state, run=NO_RUN)
+        name = checkpoint_name(NO_RUN, 1, state.merges, checkpoint.content_hash(chunks))
+        files.write_atomic(tmp / name, chunks, what=f"write snapshot {ident}'s syncer state")
     except OSError as exc:
-        raise SnapshotError(f"cannot write snapshot {ident} in {root}: {exc.strerror or exc}") from exc
+        raise SnapshotError(f"snapshot {ident} not taken in {root}: {files.describe(exc)}") from exc
     snap = Snapshot(ident, tmp, final, name, tuple(f.version for f in state.fragments), state.global_step,
                     dict(learners), now, open=set(learners),
                     meta={"syncer_state_hash": state_hash(state), "syncer_clock": dict(vclock), "merges": state.merges})
@@ -101,7 +105,7 @@ def record_inflight(snap: Snapshot, event: ev.Event) -> None:
         if isinstance(value, codecs.Encoded):
             body = b"".join(bytes(memoryview(a).cast("B")) for a in ([value.scales] if value.scales is not None else []) + [value.data])
             sha = hashlib.sha256(body).hexdigest()
-            _write(snap.directory / INFLIGHT_DIR / sha, [body])
+            files.write_atomic(snap.directory / INFLIGHT_DIR / sha, [body], what=f"write snapshot {snap.ident}'s message in flight")
             value = {"codec": value.codec.value, "block": value.block, "elements": value.elements, "sha256": sha}
         elif isinstance(value, tuple):
             value = list(value)
@@ -119,8 +123,12 @@ def local_state(snap: Snapshot, learner: int, data: bytes, sha256: str) -> str |
         snap.left_out[learner] = "its local state did not match its sha256 (damaged in transit)"
         return f"learner {learner}: local state hashes {got[:16]}, the message says {sha256[:16]}"
     name = f"learner-{learner}.ddls"
-    _write(snap.directory / name, [data])
     snap.open.discard(learner)
+    try:
+        files.write_atomic(snap.directory / name, [data], what=f"write snapshot {snap.ident}'s learner state")
+    except files.FileError as exc:  # the disk, not the learner: the snapshot goes on without this state
+        snap.left_out[learner] = f"its local state could not be written ({exc.strerror})"
+        return str(exc)
     snap.states[learner] = {"file": name, "bytes": len(data), "sha256": got, "name": snap.learners[learner]}
     return None
 
@@ -134,26 +142,27 @@ def finish(snap: Snapshot, now: float, kept: int = SNAPSHOTS_KEPT_DEFAULT) -> Pa
     for learner in sorted(snap.open):
         snap.left_out[learner] = "no local state within the snapshot's wait limit"
     snap.open.clear()
-    files = {snap.syncer_file: _sha256_file(snap.directory / snap.syncer_file)}
-    files |= {s["file"]: s["sha256"] for s in snap.states.values()}
+    digests = {snap.syncer_file: _sha256_file(snap.directory / snap.syncer_file)}
+    digests |= {s["file"]: s["sha256"] for s in snap.states.values()}
     for r in snap.inflight:
         for value in r["fields"].values():
             if isinstance(value, dict) and "sha256" in value:
-                files[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
+                digests[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
     manifest = {
         "format": FORMAT, "snapshot": snap.ident, "syncer": snap.syncer_file, **snap.meta,
         "versions": list(snap.versions), "global_step": snap.global_step, "seconds": round(now - snap.started_at, 3),
         "learners": {str(k): v for k, v in sorted(snap.states.items())},
         "left_out": {str(k): v for k, v in sorted(snap.left_out.items())},
-        "inflight": snap.inflight, "files": files,
+        "inflight": snap.inflight, "files": digests,
     }
     try:
-        _write(snap.directory / MANIFEST, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)])
+        files.write_atomic(snap.directory / MANIFEST, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)],
+                           what=f"write snapshot {snap.ident}'s manifest")
         os.replace(snap.directory, snap.final)
-        _fsync(snap.final.parent)
+        files.fsync_directory(snap.final.parent)
         _prune(snap.final.parent, kept)
     except OSError as exc:
-        raise SnapshotError(f"cannot complete snapshot {snap.ident}: {exc.strerror or exc}") from exc
+        raise SnapshotError(f"cannot complete snapshot {snap.ident}: {files.describe(exc)}") from exc
     return snap.final
 
 
@@ -190,29 +199,12 @@ def local_state_of(directory: Path | str, manifest: dict, name: str) -> bytes | 
     return None
 
 
-def _write(path: Path, parts: list) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.writelines(parts)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(root: Path, kept: int) -> None:

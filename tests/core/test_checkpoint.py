@@ -1,6 +1,10 @@
-import numpy as np
-import pytest
+from pathlib import Path
 
+import numpy as np
+import orjson
+import pytest
+import safetensors
+import safetensors.numpy
 from ddiloco.core import checkpoint, syncer
 from ddiloco.core.checkpoint import CheckpointError
 from ddiloco.core.config import SyncerConfig
@@ -63,6 +67,56 @@ def test_truncated_and_foreign_files():
         checkpoint.restore(data[:-10])
     with pytest.raises(CheckpointError, match="not a ddiloco checkpoint"):
         checkpoint.restore(b"PK\x03\x04" + data[4:])
+    with pytest.raises(CheckpointError, match="not a ddiloco checkpoint"):
+        checkpoint.restore(data[:5])
+
+
+FORMAT1 = Path(__file__).parent / "golden_checkpoints" / "format1.ddck"  # some_state() in the format before safetensors
+
+
+def test_the_file_is_plain_safetensors_that_standard_tools_open(tmp_path):
+    state = some_state()
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(as_bytes(state))
+    with safetensors.safe_open(path, framework="numpy") as f:
+        meta = f.metadata()
+        assert sorted(f.keys()) == sorted(f"{k}/{p}" for k in ("theta", "momentum") for p in range(3))
+        assert np.array_equal(f.get_tensor("momentum/2"), state.fragments[2].momentum.buf)
+    assert meta["format"] == checkpoint.CONTAINER and meta["version"] == str(checkpoint.FORMAT)
+    manifest = orjson.loads(meta["manifest"])
+    assert manifest["merges"] == 17 and manifest["versions"] == [5, 6, 7]
+
+
+def test_the_run_id_is_in_the_manifest():
+    data = b"".join(bytes(c) for c in checkpoint.to_chunks(some_state(), run="0123abcd"))
+    assert checkpoint.manifest_of(data)["run"] == "0123abcd"
+    assert checkpoint.manifest_of(as_bytes(some_state()))["run"] == ""
+
+
+def test_a_foreign_safetensors_file_or_another_version_is_refused_by_name():
+    foreign = safetensors.numpy.save({"w": np.zeros(4, np.float32)}, {"format": "pt"})
+    with pytest.raises(CheckpointError, match="without format 'ddiloco-syncer-checkpoint'"):
+        checkpoint.restore(foreign)
+    data = as_bytes(some_state()).replace(b'"version":"2"', b'"version":"9"')
+    with pytest.raises(CheckpointError, match="format '9'; this version reads formats 2 and 1"):
+        checkpoint.restore(data)
+
+
+def test_a_tampered_array_with_its_header_consistent_fails_its_hash():
+    state = some_state()
+    chunks = checkpoint.to_chunks(state)
+    state.fragments[1].theta[3] += 1.0  # the chunks are views of the state: the bytes change, the manifest not
+    with pytest.raises(CheckpointError, match="'theta/1' fails its content hash"):
+        checkpoint.restore(b"".join(bytes(c) for c in chunks))
+
+
+def test_format_1_is_still_read():
+    back = checkpoint.restore(FORMAT1.read_bytes())
+    assert syncer.state_hash(back) == syncer.state_hash(some_state())
+    damaged = bytearray(FORMAT1.read_bytes())
+    damaged[3000] ^= 1
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        checkpoint.restore(damaged)
 
 
 def test_empty_syncer_cannot_be_checkpointed():

@@ -33,6 +33,7 @@ from ddiloco.core.events import (
 )
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock
+from ddiloco.net import recording
 
 GOLDEN = Path(__file__).parent / "golden_tapes"
 REWRITE = os.environ.get("DDILOCO_REWRITE_GOLDEN") == "1"
@@ -63,7 +64,7 @@ class ScriptedRun:
 
     def __init__(self, directory, state=None, options=tapes.TapeOptions(), config=None):
         self.state = state or syncer.new_state(config or SyncerConfig(num_fragments=2, period=2))
-        self.writer = tapes.TapeWriter.create(directory, self.state, "scripted", options)
+        self.writer = recording.TapeWriter.create(directory, self.state, "scripted", options)
         self.now, self.clock = 0.0, VClock()
         self.learners: dict[int, ScriptedLearner] = {}
         self.requests, self.timers = [], []
@@ -170,7 +171,7 @@ def test_golden_tape_replays_to_its_known_state_hash(tmp_path):
         shutil.rmtree(directory, ignore_errors=True)
         final, merges = scripted_run(directory)
         (directory / "expected.json").write_bytes(orjson.dumps({"state_hash": final, "merges": merges}, option=orjson.OPT_INDENT_2))
-    result = replay.replay(tapes.read(directory))
+    result = replay.replay(recording.read(directory))
     assert result.ok, result.divergence
     assert result.final_checked
     assert result.state_hash == _golden_hash("kill_rejoin")
@@ -181,7 +182,7 @@ def test_golden_tape_replays_to_its_known_state_hash(tmp_path):
 
 
 def test_golden_tape_has_the_kill_the_rejoin_and_the_timers():
-    tape = tapes.read(GOLDEN / "kill_rejoin")
+    tape = recording.read(GOLDEN / "kill_rejoin")
     kinds = [r["kind"] for r in tape.events]
     assert {"Join", "InitFragment", "Progress", "Push", "Disconnect", "MergeCost"} <= set(kinds)
     assert kinds.count("Join") == 3
@@ -198,14 +199,14 @@ def _copy_golden(tmp_path):
 
 def test_a_tampered_payload_is_a_divergence_naming_the_event(tmp_path):
     directory = _copy_golden(tmp_path)
-    tape = tapes.read(directory)
+    tape = recording.read(directory)
     push = next(r for r in tape.events if r["kind"] == "Push")
     sha = push["fields"]["payload"]["$payload"]["sha256"]
     path = directory / tapes.PAYLOAD_DIR / sha
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0x11
     path.write_bytes(bytes(raw))
-    result = replay.replay(tapes.read(directory))
+    result = replay.replay(recording.read(directory))
     assert not result.ok
     d = result.divergence
     assert d.index == push["i"] and "Push" in d.event and d.what == "payload hash" and d.expected == sha
@@ -215,7 +216,7 @@ def test_an_edited_push_diverges_at_a_later_merge_or_the_end(tmp_path):
     # Rewrite one push's token count (a well-formed tape of a different run): replay must
     # notice that the recorded checks do not follow from these inputs.
     directory = _copy_golden(tmp_path)
-    tape = tapes.read(directory)
+    tape = recording.read(directory)
     first_push = next(r for r in tape.events if r["kind"] == "Push")
     records = [tape.header] + tape.records + [tape.close]
     pushed = next(r for r in tape.events if r["kind"] == "Push" and r is not first_push)
@@ -224,11 +225,9 @@ def test_an_edited_push_diverges_at_a_later_merge_or_the_end(tmp_path):
     out.parent.mkdir()
     shutil.copytree(directory / tapes.PAYLOAD_DIR, out.parent / tapes.PAYLOAD_DIR)
     with open(out, "wb") as fh:
-        fh.write(tapes._PREAMBLE.pack(tapes.MAGIC, tapes.FORMAT, 0))
-        for r in records:
-            body = orjson.dumps(r)
-            fh.write(tapes._frame(body) + body)
-    result = replay.replay(tapes.read(out.parent))
+        fh.write(tapes.preamble(tapes.MAGIC))
+        fh.writelines(tapes.framed(r) for r in records)
+    result = replay.replay(recording.read(out.parent))
     assert not result.ok
     assert result.divergence.index >= pushed["i"]
     assert "expected" in str(result.divergence)
@@ -238,7 +237,7 @@ def test_a_tape_without_payloads_says_it_cannot_be_replayed(tmp_path):
     scripted_run(tmp_path / "t", tapes.TapeOptions(keep_payloads=False))
     assert not any((tmp_path / "t" / tapes.PAYLOAD_DIR).iterdir())
     with pytest.raises(tapes.TapeError, match="without payloads"):
-        replay.replay(tapes.read(tmp_path / "t"))
+        replay.replay(recording.read(tmp_path / "t"))
 
 
 def test_a_run_cut_short_replays_what_was_recorded(tmp_path):
@@ -247,7 +246,7 @@ def test_a_run_cut_short_replays_what_was_recorded(tmp_path):
     path = directory / tapes.TAPE_FILE
     data = path.read_bytes()
     path.write_bytes(data[: len(data) * 2 // 3])
-    result = replay.replay(tapes.read(directory))
+    result = replay.replay(recording.read(directory))
     assert result.ok, result.divergence
     assert result.torn and not result.final_checked and result.merges_checked > 0
 
@@ -268,7 +267,7 @@ def test_a_run_resumed_from_a_checkpoint_replays_from_it(tmp_path):
         second.step(a)
         second.answer()
     final = second.close()
-    tape = tapes.read(tmp_path / "second")
+    tape = recording.read(tmp_path / "second")
     assert tape.header["start"]["kind"] == "checkpoint"
     result = replay.replay(tape)
     assert result.ok, result.divergence

@@ -29,13 +29,17 @@ def _params(seed):
     }
 
 
+RUN = "0123456789abcdef"
+
+
 def _checkpoint(directory, params, merges):
     """A checkpoint of a syncer holding `params`, through the store as the daemon writes it."""
     layout = build_layout(tensor_specs(params), 3, block=8)
     tree = TreeFragments(params, layout)
     state = syncer.new_state(SyncerConfig(num_fragments=3, block=8), layout, [tree.gather(params, q) for q in range(3)])
     state.merges, state.global_step = merges, 10 * merges
-    return store.write(directory, state).path
+    # One run writes them all, as one syncer does.
+    return store.CheckpointStore.open(directory, RUN if directory.exists() else None, new_id=lambda: RUN).write(state).path
 
 
 def _export(source, out, fmt):
@@ -125,7 +129,7 @@ def test_bad_sources_and_targets_get_one_clear_line(tmp_path, exported):
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk").write_bytes(b"not a checkpoint at all, not even close")
     for source, out, message in [
-        (tmp_path / "empty", tmp_path / "a.npz", "no valid checkpoint in"),
+        (tmp_path / "empty", tmp_path / "a.npz", "no checkpoint in"),
         (tmp_path / "junk", tmp_path / "a.npz", "not a ddiloco checkpoint"),
         (tmp_path / "missing", tmp_path / "a.npz", "cannot read checkpoint"),
         (exported["npz"].parent / "ck", exported["npz"], "already exists: give a new path"),

@@ -15,6 +15,7 @@ import pytest
 from ddiloco.core import tape as tapes
 from ddiloco.learner import replay as full
 from ddiloco.learner import tape as ltapes
+from ddiloco.net import recording as recordings
 from ddiloco.net.auth import write_token_file
 
 TOKEN = "replay-full-token-0123456789"
@@ -113,7 +114,7 @@ def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording):
     assert recovered["source"].startswith("peer") and recovered["snapshot"], "b.1 should copy a's state"
     assert ltapes.read(rec / "learners" / "a.0").of("publish"), "a served its state to b.1"
     # The syncer's tape names pushes by hash only: nothing but re-executing the learners gives them back.
-    assert not tapes.read(rec / "syncer").header["keep_payloads"]
+    assert not recordings.read(rec / "syncer").header["keep_payloads"]
 
     # A restart cut short by the end of the run: its tape has a header and nothing else.
     ltapes.LearnerTapeWriter.create(rec / "learners" / "c.0", ltapes.read(rec / "learners" / "b.1").config).abandon()

@@ -46,9 +46,10 @@ class Syncer:
         self.dir = tmp_path / "ckpt"
         self.server = None
 
-    async def start(self, state=None, wire_limits=SMALL, port=0):
+    async def start(self, state=None, wire_limits=SMALL, port=0, run_id=None):
         state = state or syncer.new_state(self.config)
-        self.server = SyncerServer(state, ServerConfig(port=port, auth_token=TOKEN, checkpoint_dir=self.dir, wire=wire_limits))
+        config = ServerConfig(port=port, auth_token=TOKEN, checkpoint_dir=self.dir, wire=wire_limits, run_id=run_id)
+        self.server = SyncerServer(state, config)
         await self.server.start()
         return self.server
 
@@ -308,7 +309,7 @@ async def test_resume_from_checkpoint_to_identical_state_and_resume_of_resume(tm
     s2 = Syncer(tmp_path)
     s2.dir = s.dir
     merges_before = resumed.merges
-    await s2.start(resumed)
+    await s2.start(resumed, run_id=store.run_of(path))  # the same run goes on in the same directory
     c = Learner(s2.ws_url, "c", seed=5)
     assert not (await c.welcome()).needs_init
     await until(lambda: len(c.client.inbox.updates) == 2, what="recovery")
@@ -331,7 +332,7 @@ async def test_corrupt_newest_checkpoint_is_skipped(tmp_path, caplog):
     await a.stop()
     await b.stop()
     await s.server.stop(checkpoint=False)
-    files = sorted(s.dir.glob("ckpt-*.ddck"))
+    files = sorted(s.dir.glob("ckpt-*.safetensors"))
     newest = files[-1]
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF

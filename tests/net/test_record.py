@@ -11,7 +11,7 @@ from ddiloco.core import codec, syncer
 from ddiloco.core import tape as tapes
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import TensorSpec
-from ddiloco.net import session, wire
+from ddiloco.net import recording, session, wire
 from ddiloco.net.client import ClientConfig, SyncerClient
 from ddiloco.net.server import ServerConfig, SyncerServer
 
@@ -78,7 +78,7 @@ async def train_until(server, learners, merges):
 
 async def test_a_recorded_run_with_a_kill_replays_bit_identically(tmp_path, capsys):
     state = syncer.new_state(SyncerConfig(num_fragments=2, period=2))
-    tape = tapes.TapeWriter.create(tmp_path / "tape", state, "test")
+    tape = recording.TapeWriter.create(tmp_path / "tape", state, "test")
     server = SyncerServer(state, ServerConfig(port=0, wire=SMALL), tape=tape)
     await server.start()
     url = f"ws://127.0.0.1:{server.port}/ws"
@@ -101,7 +101,7 @@ async def test_a_recorded_run_with_a_kill_replays_bit_identically(tmp_path, caps
     await server.stop(checkpoint=False)
     final = syncer.state_hash(server.state)
 
-    recorded = tapes.read(tmp_path / "tape")
+    recorded = recording.read(tmp_path / "tape")
     kinds = {r["kind"] for r in recorded.events}
     assert {"Join", "InitFragment", "Progress", "Push", "Disconnect", "MergeCost"} <= kinds
     assert recorded.close["state_hash"] == final
@@ -158,7 +158,7 @@ async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, c
         proc.send_signal(signal.SIGTERM)
         await loop.run_in_executor(None, proc.wait, 30)
     assert proc.returncode == 0
-    recorded = tapes.read(tmp_path / "tape")
+    recorded = recording.read(tmp_path / "tape")
     assert recorded.header["start"] == {"kind": "empty", "source": "no parameters"} and recorded.close is not None
     assert cli_main(["replay", str(tmp_path / "tape"), "--json", str(tmp_path / "r.json")]) == 0
     assert "OK: bit-identical" in capsys.readouterr().out
