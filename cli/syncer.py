@@ -14,6 +14,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from ddiloco.cli import user_input
+from ddiloco.errors import UserError
+
 # flag -> config key, for the SyncerConfig fields that are set from the command line
 _CORE_FLAGS = {
     "fragments": "num_fragments",
@@ -74,7 +77,7 @@ def resolve_config(args: argparse.Namespace):
         try:
             values = tomllib.loads(args.config.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"cannot read config file {args.config}: {exc}") from exc
+            raise UserError(f"cannot read config file {args.config}: {exc}") from exc
         values = dict(values.get("syncer", values))
     for flag, key in _CORE_FLAGS.items():
         if getattr(args, flag) is not None:
@@ -108,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
     )
     log = logging.getLogger("ddiloco.syncer")
     if args.resume is not None and args.init is not None:
-        raise ValueError("--resume and --init exclude each other: a resumed syncer already holds parameters")
+        raise UserError("--resume and --init exclude each other: a resumed syncer already holds parameters")
     if args.resume is not None:
         try:
             state, path = store.newest_valid(args.resume)
         except store.StoreError as exc:
-            raise ValueError(f"cannot resume: {exc}") from exc
+            raise UserError(f"cannot resume: {exc}") from exc
         config = state.config
         log.info("config %s", orjson.dumps({"resumed_from": str(path), **config.to_dict()}).decode())
         log.info("resumed from %s: %d merges, global step %d", path.name, state.merges, state.global_step)
@@ -124,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 initial = checkpoint.restore(args.init.read_bytes())
             except OSError as exc:
-                raise ValueError(f"cannot read --init {args.init}: {exc.strerror}") from exc
-            state = syncer.new_state(config, initial.layout, [f.theta for f in initial.fragments])
+                raise UserError(f"cannot read --init {args.init}: {exc.strerror}") from exc
+            with user_input():  # parameters that do not fit the configuration
+                state = syncer.new_state(config, initial.layout, [f.theta for f in initial.fragments])
             log.info("initial parameters from %s (layout %s)", args.init, state.layout.digest[:12])
         else:
             state = syncer.new_state(config)
@@ -134,10 +138,11 @@ def run(args: argparse.Namespace) -> int:
     if token is None:
         log.warning("no --auth-token-file: any peer that reaches the port may join")
     kernels.warmup()
-    server_config = server.ServerConfig(
-        host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume,
-        snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_wait_s_max=args.snapshot_wait_s,
-    )
+    with user_input():  # ServerConfig checks the values the flags gave
+        server_config = server.ServerConfig(
+            host=args.host, port=args.port, auth_token=token, checkpoint_dir=args.checkpoint_dir or args.resume,
+            snapshot_dir=args.snapshot_dir, snapshot_every_s=args.snapshot_every_s, snapshot_wait_s_max=args.snapshot_wait_s,
+        )
     tape = _open_tape(args, state, log)
     daemon = server.SyncerServer(state, server_config, tape=tape)
     server.use_uvloop()
@@ -151,14 +156,11 @@ def _open_tape(args: argparse.Namespace, state, log: logging.Logger):
 
     if args.record is None:
         if args.record_no_payloads:
-            raise ValueError("--record-no-payloads needs --record DIR")
+            raise UserError("--record-no-payloads needs --record DIR")
         return None
     source = f"resume {args.resume}" if args.resume else f"init {args.init}" if args.init else "no parameters"
     options = tapes.TapeOptions(keep_payloads=not args.record_no_payloads)
-    try:
-        writer = tapes.TapeWriter.create(args.record, state, source, options)
-    except tapes.TapeError as exc:
-        raise ValueError(str(exc)) from exc
+    writer = tapes.TapeWriter.create(args.record, state, source, options)  # a TapeError is a UserError
     log.info("recording the event tape in %s (payloads %s)", args.record, "kept" if options.keep_payloads else "hashed only")
     return writer
 

@@ -34,6 +34,7 @@ from ddiloco.core.layout import layout_from_description
 from ddiloco.core.ledger import FATES, Ledger
 from ddiloco.core.outer import NesterovState
 from ddiloco.core.syncer import SyncerState, new_state
+from ddiloco.errors import UserError
 
 MAGIC = b"DDCKPT01"
 FORMAT = 1
@@ -42,7 +43,7 @@ _DIGEST_BYTES = 32
 MANIFEST_BYTES_MAX = 64 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that is corrupt, truncated or of another format; the message says which."""
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddiloco import kernels
+from ddiloco.errors import UserError
 
 _HEADER = struct.Struct("<4sBBHIQI")
 HEADER_BYTES = _HEADER.size
@@ -37,7 +38,7 @@ _FORMAT = 1
 ELEMENTS_MAX = 2**31 - 1
 
 
-class CodecError(ValueError):
+class CodecError(UserError, ValueError):
     """A payload or an input that a codec cannot take; the message says what is wrong."""
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ddiloco.errors import UserError
 
-class GraceConfigError(ValueError):
+
+class GraceConfigError(UserError, ValueError):
     pass
 
 

@@ -18,6 +18,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import orjson
 
+from ddiloco.errors import UserError
+
 # Limits on what a layout may describe; a hello carrying more is refused before anything is allocated.
 TENSORS_MAX = 1_000_000
 FRAGMENTS_MAX = 4096
@@ -28,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _LAYOUT_FORMAT = 1  # bumped whenever the digested description changes shape
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A tensor list or layout request that cannot be laid out; the message says what is wrong."""
 
 

@@ -17,9 +17,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ddiloco import kernels
+from ddiloco.errors import UserError
 
 
-class OuterConfigError(ValueError):
+class OuterConfigError(UserError, ValueError):
     pass
 
 

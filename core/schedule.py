@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ddiloco.errors import UserError
+
 H_MAX = 1_000_000
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError, ValueError):
     """An impossible schedule; the message says which value is wrong."""
 
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.tree_util import tree_flatten_with_path, tree_structure, tree_unflatten
 
+from ddiloco.errors import UserError
 from ddiloco.learner.tree import leaf_path, put_all_like
 from ddiloco.net import peer, session
 
@@ -30,7 +31,7 @@ log = logging.getLogger("ddiloco.learner")
 FORMAT = 1
 
 
-class RecoveryError(ValueError):
+class RecoveryError(UserError, ValueError):
     """A peer's snapshot does not fit this learner (layout, structure, shapes, versions)."""
 
 

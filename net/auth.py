@@ -9,11 +9,13 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
+from ddiloco.errors import UserError
+
 TOKEN_BYTES_MIN = 16
 TOKEN_BYTES_MAX = 4096
 
 
-class AuthConfigError(ValueError):
+class AuthConfigError(UserError, ValueError):
     pass
 
 

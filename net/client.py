@@ -28,6 +28,7 @@ import aiohttp
 
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
+from ddiloco.errors import FaultError, UserError
 from ddiloco.net import session, wire
 
 log = logging.getLogger("ddiloco.client")
@@ -38,11 +39,11 @@ CLOSE_DRAIN_S_MAX = 30.0  # a learner that is stopping does not wait on a stuck 
 CLOSE_GRACE_S = 1.0  # after the drain time, this long for the goodbye and the close handshake
 
 
-class SyncerRefused(RuntimeError):
+class SyncerRefused(UserError, RuntimeError):
     """The syncer refused this learner for good (auth, layout, protocol); retrying cannot help."""
 
 
-class MalformedMessage(ValueError):
+class MalformedMessage(FaultError, ValueError):
     """A syncer message that frames correctly but does not make sense (a welcome whose layout or
     peer list does not parse, a payload of the wrong size): that connection is dropped and the
     client reconnects, as after any other fault of the connection."""

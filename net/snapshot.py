@@ -36,6 +36,7 @@ from ddiloco.core import checkpoint
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
 from ddiloco.core.syncer import SyncerState, state_hash
+from ddiloco.errors import UserError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -45,7 +46,7 @@ SNAPSHOTS_KEPT_DEFAULT = 5
 LOCAL_STATE_BYTES_MAX = 16 << 30
 
 
-class SnapshotError(ValueError):
+class SnapshotError(UserError, ValueError):
     """A snapshot that cannot be written, or a directory that is not a complete, intact snapshot."""
 
 

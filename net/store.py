@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import SyncerState
+from ddiloco.errors import FaultError
 
 log = logging.getLogger("ddiloco.syncer")
 
@@ -26,8 +27,10 @@ SEQUENCE_MAX = 999_999  # six digits in the name (a million checkpoints without 
 CHECKPOINTS_KEPT_DEFAULT = 3
 
 
-class StoreError(RuntimeError):
+class StoreError(FaultError, RuntimeError):
     """A checkpoint could not be written or none could be read; the message says why."""
+
+    what_to_do = "check that the checkpoint directory exists, is writable and its disk has room"
 
 
 @dataclass(frozen=True)
