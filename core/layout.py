@@ -1,6 +1,6 @@
 """The fragment layout: which tensors of the model make up each of the P fragments.
 
-ALGORITHM.md, "Fragments and the schedule". A fragment is stored flat, in float32: its tensors
+docs/algorithm.md, "Fragments and the schedule". A fragment is stored flat, in float32: its tensors
 concatenated in path order, then zero padding up to a multiple of the codec block so that every block
 codec sees whole blocks. The layout is a pure function of the tensor list, the strategy, P and the
 block; its digest is what the syncer and every learner compare at hello time.

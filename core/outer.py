@@ -1,4 +1,6 @@
-"""The outer optimizer: SGD with Nesterov momentum over each fragment, fp32 (ALGORITHM.md, item 6).
+"""The outer optimizer: SGD with Nesterov momentum over each fragment, fp32.
+
+docs/algorithm.md, "Syncer: one round of fragment p", item 6.
 
     buf   <- mu * buf + Delta
     Theta <- Theta - lr * (Delta + mu * buf)

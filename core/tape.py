@@ -1,6 +1,6 @@
 """The event tape: every input the syncer core acted on, in order, so that a run can be replayed.
 
-ALGORITHM.md, "Event tape". A tape is a directory:
+docs/algorithm.md, "Event tape". A tape is a directory:
 
     tape.ddtp          the append-only tape file (layout below)
     payloads/<sha256>  content-addressed payload store: the raw body of each push or init payload,

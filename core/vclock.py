@@ -1,6 +1,6 @@
 """Vector clocks: which events of the syncer and the learners happened before which.
 
-ALGORITHM.md, "Recovery, snapshots, replay". A clock maps a process name ("syncer", or a learner's
+docs/algorithm.md, "Recovery, snapshots, replay". A clock maps a process name ("syncer", or a learner's
 name) to a counter. The rules (docs/replay.md):
 
 - the syncer ticks its own entry once for every event its core handles, after merging the clock

@@ -1,6 +1,6 @@
 """A (re)joining learner copies a healthy peer's state instead of starting from a fresh optimizer.
 
-ALGORITHM.md, "Recovery, snapshots, replay": the learner gets the syncer's versions in the welcome,
+docs/algorithm.md, "Recovery, snapshots, replay": the learner gets the syncer's versions in the welcome,
 copies parameters, inner-optimizer state and step from a live peer that holds those versions, and
 falls back to the syncer's fragments plus its fresh optimizer state on any error (a log line says
 why). Nothing the learner had before becomes global state: the syncer still gives it weight 0 until

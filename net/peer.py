@@ -1,6 +1,6 @@
 """Learner <-> learner: a learner serves a snapshot of its state; a (re)joining one fetches it.
 
-ALGORITHM.md, "Recovery, snapshots, replay". The server is a small aiohttp app on its own thread and
+docs/algorithm.md, "Recovery, snapshots, replay". The server is a small aiohttp app on its own thread and
 event loop (a slow download never delays the syncer connection's heartbeats). It never reads the
 training state itself: a request raises a flag in a `SnapshotBox`, the training loop publishes a
 snapshot at its next step boundary, and the server sends those bytes. So nothing races the loop.

@@ -1,6 +1,6 @@
 """Consistent snapshots of the whole system (syncer + learners + messages in flight), Chandy-Lamport style.
 
-ALGORITHM.md, "Recovery, snapshots, replay". The topology is a star of FIFO channels (one websocket
+docs/algorithm.md, "Recovery, snapshots, replay". The topology is a star of FIFO channels (one websocket
 per learner, each direction in order). The syncer starts a snapshot between two events of its core
 (on a timer, on `POST /snapshot`, or `ddiloco snapshot URL`): it records its own state (a checkpoint)
 and sends a marker to every connected learner. A learner records its local state at its next step
