@@ -17,8 +17,7 @@ import contextlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterator
-from typing import Sequence
+from collections.abc import Iterator, Sequence
 
 from ddiloco.errors import DdilocoError, FaultError, UserError
 

@@ -38,9 +38,13 @@ def test_every_exception_class_has_exactly_one_branch():
     assert len(classes) >= 20, sorted(classes)  # the walk found the project's classes
     # A private class (a leading underscore) is a control-flow signal caught in its own module, not an
     # error; should one escape, it is a bug and shows with its traceback.
-    wrong = [name for name, cls in classes.items()
-             if not name.startswith("_") and cls not in (DdilocoError, UserError, FaultError)
-             and issubclass(cls, UserError) == issubclass(cls, FaultError)]
+    wrong = [
+        name
+        for name, cls in classes.items()
+        if not name.startswith("_")
+        and cls not in (DdilocoError, UserError, FaultError)
+        and issubclass(cls, UserError) == issubclass(cls, FaultError)
+    ]
     assert not wrong, f"not under exactly one of UserError, FaultError: {wrong}"
 
 

@@ -105,6 +105,7 @@ def test_every_python_folder_is_a_package_in_pyproject():
 
 def test_the_table_is_a_layering():
     """No cycle in ALLOWED: otherwise `below` means nothing."""
+
     def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
         nexts = ALLOWED[start] or set()
         return goal in nexts or any(reaches(n, goal, seen | {start}) for n in nexts - seen if n in ALLOWED)
@@ -135,7 +136,9 @@ def test_no_upward_or_forbidden_imports(package):
 def test_the_checker_sees_what_it_must(tmp_path):
     """The checker itself: relative imports resolve, imports inside functions count."""
     source = tmp_path / "engine.py"
-    source.write_text("from ... import net\nfrom ..layout import x\n\ndef f():\n    import jax\n    from . import calibration\n")
+    source.write_text(
+        "from ... import net\nfrom ..layout import x\n\ndef f():\n    import jax\n    from . import calibration\n"
+    )
     names = imports_of(source, "ddiloco.core.sim.engine")
     assert names == {"ddiloco.net", "ddiloco.core.layout", "jax", "ddiloco.core.sim"}
     init = tmp_path / "__init__.py"

@@ -4,6 +4,7 @@ to do (exit 1), anything else, a plain ValueError included, with its traceback (
 import socket
 
 import pytest
+
 from ddiloco.cli import main
 from ddiloco.cli import status as status_cli
 from ddiloco.errors import DdilocoError, FaultError, UserError
