@@ -49,6 +49,10 @@ class MalformedMessage(FaultError, ValueError):
     client reconnects, as after any other fault of the connection."""
 
 
+class ClientConfigError(UserError, ValueError):
+    """A client setting that cannot work (a syncer URL that is not a websocket one, a bad interval)."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     url: str  # ws://host:port/ws
@@ -78,13 +82,13 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
-            raise ValueError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
+            raise ClientConfigError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
         if not 0 < self.reconnect_s_min <= self.reconnect_s_max:
-            raise ValueError("need 0 < reconnect_s_min <= reconnect_s_max")
+            raise ClientConfigError("need 0 < reconnect_s_min <= reconnect_s_max")
         if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
-            raise ValueError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
+            raise ClientConfigError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
         if not 0 <= self.close_drain_s <= CLOSE_DRAIN_S_MAX:
-            raise ValueError(f"close_drain_s must lie in [0, {CLOSE_DRAIN_S_MAX}], got {self.close_drain_s}")
+            raise ClientConfigError(f"close_drain_s must lie in [0, {CLOSE_DRAIN_S_MAX}], got {self.close_drain_s}")
 
 
 @dataclass

@@ -65,3 +65,10 @@ def test_the_branch_decides_the_exit_status(monkeypatch, capsys, raised, status)
     else:
         assert main(["status", "http://127.0.0.1:1"]) == status
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_library_configuration_error_from_a_flag_is_a_user_error(capsys):
+    # the URL reaches net.client's ClientConfig deep inside the learner; its check is the user's error
+    assert main(["learner", "--syncer", "http://127.0.0.1:1/ws", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ddiloco learner: error: syncer URL must start with ws:// or wss://" in err and "Traceback" not in err
