@@ -260,12 +260,12 @@ def _dp_vs_decoupled_order(arms: dict, steps: int) -> None:
 def _failures_order(arms: dict, steps: int) -> None:
     dp, free, down = "DP, M = 4 slices, same failures", "Decoupled, M = 4, fault-free", "Decoupled, M = 4, down 25%"
     # the synchronous job advances one step per second of wall time in which no slice is down
-    for goodput, wall in zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, dp, "wall_s")):
+    for goodput, wall in zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, dp, "wall_s"), strict=True):
         assert goodput == pytest.approx(steps / wall)
     assert _per_seed(arms, free, "goodput") == [1.0] * 3  # K = 1 without faults: nobody waits, nothing is lost
     # a synchronous job stalls while any slice is down; a decoupled one loses only the down learner's time
-    for dp_goodput, decoupled_goodput in zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput")):
-        assert dp_goodput <= decoupled_goodput
+    pairs = zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput"), strict=True)
+    assert all(dp_goodput <= decoupled_goodput for dp_goodput, decoupled_goodput in pairs)
 
 
 def _merge_order(arms: dict, steps: int) -> None:
@@ -285,18 +285,18 @@ def _hetero_order(arms: dict, steps: int) -> None:
 def _scavenge_order(arms: dict, steps: int) -> None:
     base = _per_seed(arms, "base", "time_to_target_s")
     assert _per_seed(arms, "base", "speedup") == [1.0] * 3
-    assert all(0 < t <= w for t, w in zip(base, _per_seed(arms, "base", "wall_s")))
+    assert all(0 < t <= w for t, w in zip(base, _per_seed(arms, "base", "wall_s"), strict=True))
     for label in arms:
         if label != "base":  # the time to the base run's loss, relative to the base run's (inf: never reached)
             times, speedups = _per_seed(arms, label, "time_to_target_s"), _per_seed(arms, label, "speedup")
-            assert speedups == [t / b for t, b in zip(times, base)]
+            assert speedups == [t / b for t, b in zip(times, base, strict=True)]
 
 
 def _demo_settings_order(arms: dict, steps: int) -> None:
     # half the period H: every fragment is synchronised twice as often
-    for short, long in zip(_per_seed(arms, "plain averaging, H = 4", "merges"),
-                           _per_seed(arms, "plain averaging, H = 8 (the demo)", "merges")):
-        assert short > long
+    shorter = _per_seed(arms, "plain averaging, H = 4", "merges")
+    demo = _per_seed(arms, "plain averaging, H = 8 (the demo)", "merges")
+    assert all(a > b for a, b in zip(shorter, demo, strict=True))
     assert _per_seed(arms, "DP, 2x tokens", "wall_s") == [2 * w for w in _per_seed(arms, "DP", "wall_s")]
 
 
@@ -321,7 +321,8 @@ def _check_summary_and_ranges(result: dict) -> None:
                 continue
             arr = np.asarray(values, dtype=float)
             if np.isfinite(arr).all():
-                assert s["mean"] == pytest.approx(arr.mean()) and s["std"] == pytest.approx(arr.std(ddof=1)), (label, metric)
+                assert s["mean"] == pytest.approx(arr.mean()), (label, metric)
+                assert s["std"] == pytest.approx(arr.std(ddof=1)), (label, metric)
             else:
                 assert s["mean"] == math.inf, (label, metric)
         loss = stats["eval_loss"]["values"]
@@ -338,7 +339,7 @@ def _check_summary_and_ranges(result: dict) -> None:
             assert all(m >= 1 and m == int(m) for m in merges), (label, merges)
 
 
-@pytest.mark.parametrize("name", ["dp-vs-decoupled", "failures", "merge", "compression", "hetero", "scavenge", "demo-settings"])
+@pytest.mark.parametrize("name", list(ORDERS))
 def test_every_quick_experiment_runs_over_three_seeds(name):
     """At a tiny budget (8 steps per learner): every arm over three seeds, its summary the mean and
     spread of its values, every value in range, the orderings the algorithm implies, and the whole
