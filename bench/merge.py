@@ -31,7 +31,7 @@ ELEMENTS_ALIGN = 1024  # the bench rounds the size up to this: every block codec
 SEGMENTS_DEFAULT = 256  # tensors in the synthetic fragment for the RDA kernels
 PADDING_ELEMENTS = 100  # zeros after the last tensor, as core pads fragments
 BASELINE_BUDGET_S = 4.0  # a baseline stops repeating once its runs have taken this long
-LEARNING_RATE = 0.7  # ALGORITHM.md outer-optimizer defaults
+LEARNING_RATE = 0.7  # the outer optimizer's default (docs/algorithm.md, "Syncer: one round of fragment p", item 6)
 MOMENTUM = 0.9
 
 

@@ -4,15 +4,22 @@ Each subcommand is a module of this package exposing `add_arguments(parser)` and
 Modules are imported only when their subcommand runs (or `--help` lists them), and they import their
 heavy dependencies (numba kernels, jax) inside `run`, so `ddiloco syncer` works on the base install and
 a jax subcommand without the `learner` extra fails with a message that says how to fix it.
+
+Errors reach the user once, here: a `UserError` (bad input, a refusal) as one line and exit status 2,
+a `FaultError` (network, disk, a peer that died) as one line and what to do, exit status 1. Anything
+else is a bug and keeps its traceback, a plain `ValueError` included.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import sys
-from typing import Sequence
+from collections.abc import Iterator, Sequence
+
+from ddiloco.errors import DdilocoError, FaultError, UserError
 
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -30,7 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class MissingExtraError(RuntimeError):
+class MissingExtraError(UserError, RuntimeError):
     """A subcommand needs an optional dependency that is not installed."""
 
 
@@ -42,6 +49,18 @@ def require_learner_extra() -> None:
             f"this subcommand needs {', '.join(missing)}: install the learner extra, "
             "for example `pip install 'ddiloco[learner]'`"
         )
+
+
+@contextlib.contextmanager
+def user_input() -> Iterator[None]:
+    """Around building a configuration from the command line: its dataclasses check their values and
+    raise ValueError, and a bad value given on the command line is the user's to fix, not a bug."""
+    try:
+        yield
+    except DdilocoError:
+        raise
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
-    except MissingExtraError as exc:
-        print(f"ddiloco {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        # Bad input reaches the user as one clear line, not a traceback.
+    except UserError as exc:
         print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except FaultError as exc:
+        print(f"ddiloco {args.command}: fault: {exc}; {exc.what_to_do}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

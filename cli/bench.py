@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ddiloco.cli import user_input
+
 _SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -61,7 +63,8 @@ def _merge_arguments(p: argparse.ArgumentParser) -> None:
 def _merge_run(args: argparse.Namespace) -> int:
     from ddiloco.bench import merge
 
-    config = merge.MergeBenchConfig(elements=args.elements, repeat=args.repeat, seed=args.seed, torch=not args.no_torch)
+    with user_input():
+        config = merge.MergeBenchConfig(elements=args.elements, repeat=args.repeat, seed=args.seed, torch=not args.no_torch)
     print(f"bench merge: {config}", file=sys.stderr)
     timings = merge.run_merge_bench(config, progress=lambda name: print(f"  timing {name}", file=sys.stderr))
     print(merge.format_table(timings, config))
@@ -87,10 +90,11 @@ def _syncer_arguments(p: argparse.ArgumentParser) -> None:
 def _syncer_run(args: argparse.Namespace) -> int:
     from ddiloco.bench import syncer
 
-    config = syncer.SyncerBenchConfig(
-        learners=args.learners, params=args.params, codec=args.codec, fragments=args.fragments,
-        seconds=args.seconds, broadcast_codec=args.broadcast_codec, merge=args.merge,
-    )
+    with user_input():
+        config = syncer.SyncerBenchConfig(
+            learners=args.learners, params=args.params, codec=args.codec, fragments=args.fragments,
+            seconds=args.seconds, broadcast_codec=args.broadcast_codec, merge=args.merge,
+        )
     print(f"bench syncer: {config}", file=sys.stderr)
     result = syncer.run_syncer_bench(config)
     print(syncer.format_report(result))
@@ -118,7 +122,8 @@ def _learner_run(args: argparse.Namespace) -> int:
     require_learner_extra()
     from ddiloco.bench import learner
 
-    config = learner.LearnerBenchConfig(steps=args.steps, rounds=args.rounds, batch=args.batch, model=args.model, codec=args.codec)
+    with user_input():
+        config = learner.LearnerBenchConfig(steps=args.steps, rounds=args.rounds, batch=args.batch, model=args.model, codec=args.codec)
     print(f"bench learner: {config}", file=sys.stderr)
     result = learner.run_learner_bench(config)
     print(learner.format_report(result))

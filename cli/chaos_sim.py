@@ -16,6 +16,8 @@ import json
 import time
 from pathlib import Path
 
+from ddiloco.errors import FaultError, UserError
+
 SEEDS_MAX = 1_000_000  # seeds in one invocation
 JOBS_MAX = 256
 TAIL_PRINTED = 12  # trace lines printed under a failing seed
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.core.chaos.faults import ChaosConfig
 
     if args.verbose is not None and args.verbose not in args.seeds:
-        raise ValueError(f"--verbose {args.verbose} is not among the seeds to run")
+        raise UserError(f"--verbose {args.verbose} is not among the seeds to run")
     config = ChaosConfig(client_as_is=args.client_as_is)
     print(f"chaos-sim: {len(args.seeds)} seeds, {args.jobs} job(s), {config}", flush=True)
     started = time.perf_counter()
@@ -95,7 +97,7 @@ def _run_all(seeds: list[int], config, jobs: int, verbose: int | None) -> list:
         from concurrent.futures import ProcessPoolExecutor
         from functools import partial
 
-        # spawn, never fork: numba's threading layer does not survive a fork (ARCHITECTURE.md)
+        # spawn, never fork: numba's threading layer does not survive a fork
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             chunk = max(1, min(50, len(rest) // (4 * jobs)))
             for result in pool.map(partial(run_seed, config=config), rest, chunksize=chunk):
@@ -123,4 +125,5 @@ def _write_json(path: Path, results: list, seconds: float) -> None:
     try:
         path.write_text(json.dumps(doc, indent=1))
     except OSError as exc:
-        raise ValueError(f"cannot write {path}: {exc.strerror}") from exc
+        raise FaultError(f"cannot write {path}: {exc.strerror}",
+                         what_to_do="the seeds ran (see above): give --json a writable path to keep their results") from exc

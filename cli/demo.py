@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from ddiloco.cli import user_input
+from ddiloco.errors import UserError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, default=4)
@@ -49,7 +52,7 @@ def _speeds(text: str | None) -> tuple[float, ...]:
     try:
         return tuple(float(s) for s in text.split(","))
     except ValueError:
-        raise ValueError(f"--speeds must be comma-separated numbers such as 1,1,0.7,0.7, got {text!r}") from None
+        raise UserError(f"--speeds must be comma-separated numbers such as 1,1,0.7,0.7, got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace):
@@ -57,19 +60,21 @@ def config_from_args(args: argparse.Namespace):
     from ddiloco.learner.demo import DemoConfig
 
     quick, full = args.quick, DemoConfig  # the dataclass's defaults are the full demo's
-    return DemoConfig(
-        learners=args.learners, steps=args.steps or (60 if quick else full.steps), batch=args.batch,
-        fragments=args.fragments, quorum=args.quorum, chaos=not args.no_chaos,
-        kills=1 if quick and args.kills == 3 else args.kills,
-        pauses=args.pauses if args.pauses is not None else (1 if quick else 2),
-        kill_syncer=args.kill_syncer, speeds=_speeds(args.speeds), baseline=args.baseline == "dp",
-        seed=args.seed, model=args.model,
-        restart_delay_s=1.0 if quick else full.restart_delay_s, pause_s=1.0 if quick else full.pause_s,
-        # a short run needs more frequent syncs to show merging at all
-        period=args.period or (8 if quick else full.period), overlap=args.overlap or full.overlap,
-        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, merge=args.merge, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
-        record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
-    )
+    with user_input():  # DemoConfig checks the values the flags gave
+        cfg = DemoConfig(
+            learners=args.learners, steps=args.steps or (60 if quick else full.steps), batch=args.batch,
+            fragments=args.fragments, quorum=args.quorum, chaos=not args.no_chaos,
+            kills=1 if quick and args.kills == 3 else args.kills,
+            pauses=args.pauses if args.pauses is not None else (1 if quick else 2),
+            kill_syncer=args.kill_syncer, speeds=_speeds(args.speeds), baseline=args.baseline == "dp",
+            seed=args.seed, model=args.model,
+            restart_delay_s=1.0 if quick else full.restart_delay_s, pause_s=1.0 if quick else full.pause_s,
+            # a short run needs more frequent syncs to show merging at all
+            period=args.period or (8 if quick else full.period), overlap=args.overlap or full.overlap,
+            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, merge=args.merge, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
+            record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
+        )
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ddiloco.cli import user_input
+from ddiloco.errors import UserError
+
 NAMES = ("dp-vs-decoupled", "failures", "merge", "compression", "fragments", "hetero", "scavenge", "demo-settings")
 SEEDS_MAX = 100
 
@@ -52,14 +55,15 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.learner.model import enable_compilation_cache
 
     if args.plot and args.name == "all":
-        raise ValueError("--plot draws one experiment; use --results for all of them")
+        raise UserError("--plot draws one experiment; use --results for all of them")
     if args.seeds is not None and not experiments.SEEDS_MIN <= args.seeds <= SEEDS_MAX:
-        raise ValueError(f"--seeds must lie in [{experiments.SEEDS_MIN}, {SEEDS_MAX}], got {args.seeds}")
+        raise UserError(f"--seeds must lie in [{experiments.SEEDS_MIN}, {SEEDS_MAX}], got {args.seeds}")
     size = experiments.QUICK if args.quick else experiments.DEFAULT
-    if args.seeds:
-        size = replace(size, seeds=tuple(range(args.seeds)))
-    if args.budget_tokens:
-        size = replace(size, budget_tokens=args.budget_tokens)
+    with user_input():  # the size checks the values the flags gave
+        if args.seeds:
+            size = replace(size, seeds=tuple(range(args.seeds)))
+        if args.budget_tokens:
+            size = replace(size, budget_tokens=args.budget_tokens)
     enable_compilation_cache()
     # Late and stale answers are expected outcomes here (the ledger counts them), not warnings to print.
     logging.getLogger("ddiloco.learner").setLevel(logging.ERROR)
@@ -98,12 +102,12 @@ def _load(paths: list[Path], names: tuple[str, ...]) -> list[dict]:
         try:
             entries = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read results from {path}: {exc}") from exc
+            raise UserError(f"cannot read results from {path}: {exc}") from exc
         if not isinstance(entries, list) or not all(isinstance(e, dict) and "experiment" in e for e in entries):
-            raise ValueError(f"{path} is not a results file written by `ddiloco experiment --json`")
+            raise UserError(f"{path} is not a results file written by `ddiloco experiment --json`")
         for entry in entries:
             found.setdefault(entry["experiment"], entry)
     missing = [n for n in names if n not in found]
     if missing:
-        raise ValueError(f"no saved results for {', '.join(missing)} in {', '.join(map(str, paths))}")
+        raise UserError(f"no saved results for {', '.join(missing)} in {', '.join(map(str, paths))}")
     return [experiments.refresh(found[n]) for n in names]

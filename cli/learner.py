@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from ddiloco.cli import user_input
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--syncer", required=True, help="the syncer's websocket URL, e.g. ws://127.0.0.1:8470/ws")
@@ -39,24 +41,25 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     shard = data.Shard.parse(args.shard)
-    cfg = LearnerConfig(
-        syncer=args.syncer,
-        name=args.name or f"learner-{shard.index}",
-        shard=shard,
-        # The syncer is where a shared token file is refused; a learner reading one only warns.
-        token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
-        model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
-        train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
-        batch=args.batch,
-        seed=args.seed,
-        codec=args.codec,
-        steps_total=args.steps,
-        speed=args.speed,
-        log_file=args.log_file,
-        cache_dir=args.cache_dir,
-        record=args.record,
-        restore=args.restore,
-    )
+    with user_input():  # the configs check the values the flags gave
+        cfg = LearnerConfig(
+            syncer=args.syncer,
+            name=args.name or f"learner-{shard.index}",
+            shard=shard,
+            # The syncer is where a shared token file is refused; a learner reading one only warns.
+            token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
+            model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
+            train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
+            batch=args.batch,
+            seed=args.seed,
+            codec=args.codec,
+            steps_total=args.steps,
+            speed=args.speed,
+            log_file=args.log_file,
+            cache_dir=args.cache_dir,
+            record=args.record,
+            restore=args.restore,
+        )
     from ddiloco.core.tape import TapeError
     from ddiloco.net.client import SyncerRefused
 

@@ -18,13 +18,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ddiloco.errors import UserError
+
 ENV_PREFIX = "DDILOCO_"
 CONFIG_FILE_BYTES_MAX = 1 << 20
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """A value, key or file that cannot be used; the message names the key and where it came from."""
 
 

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddiloco.errors import UserError
+
 SEEDS_MAX = 10_000
 
 
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = _model(args, sim)
     if args.seeds > SEEDS_MAX:
-        raise ValueError(f"--seeds must be at most {SEEDS_MAX}, got {args.seeds}")
+        raise UserError(f"--seeds must be at most {SEEDS_MAX}, got {args.seeds}")
     seeds = list(range(args.seeds))
     sim.warm_up()
     if args.calibrate:
@@ -247,7 +249,7 @@ def _plot(path: Path, cells: list[Any], *, with_paper: bool) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: install the dev extra, `pip install 'ddiloco[dev]'`") from None
+        raise UserError("--plot needs matplotlib: install the dev extra, `pip install 'ddiloco[dev]'`") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in dict.fromkeys(c.system.label for c in cells):
         row = sorted((c for c in cells if c.system.label == label), key=lambda c: c.chips)

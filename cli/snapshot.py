@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ddiloco.errors import FaultError, UserError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="the syncer's HTTP address, e.g. http://127.0.0.1:8470")
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"URL must start with http:// or https://, got {args.url!r}")
+        raise UserError(f"URL must start with http:// or https://, got {args.url!r}")
     req = urllib.request.Request(f"{url}/snapshot", method="POST",
                                  headers={"Authorization": f"Bearer {read_token_file(args.token_file, allow_shared=True)}"})
     try:
@@ -36,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddiloco snapshot: the syncer said {exc.code}: {exc.read().decode(errors='replace').strip()}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
-        print(f"ddiloco snapshot: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
-        return 1
+        raise FaultError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}",
+                         what_to_do="check that the syncer runs and listens at that address") from exc
     json.dump(doc, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

@@ -8,6 +8,8 @@ import sys
 import urllib.error
 import urllib.request
 
+from ddiloco.errors import FaultError, UserError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="the syncer's HTTP address, e.g. http://127.0.0.1:8470")
@@ -17,13 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"URL must start with http:// or https://, got {args.url!r}")
+        raise UserError(f"URL must start with http:// or https://, got {args.url!r}")
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=args.timeout_s) as resp:
             doc = json.loads(resp.read())
     except (urllib.error.URLError, OSError) as exc:
-        print(f"ddiloco status: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
-        return 1
+        raise FaultError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}",
+                         what_to_do="check that the syncer runs and listens at that address") from exc
     json.dump(doc, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

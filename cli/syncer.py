@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Self
 
 import orjson
+from ddiloco.cli import user_input
+from ddiloco.errors import UserError
 from ddiloco.cli.settings import (
     Resolved,
     Setting,
@@ -138,9 +140,9 @@ def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args, dict(os.environ))
     v = settings.values
     if v["resume"] is not None and v["init"] is not None:
-        raise ValueError("resume and init exclude each other: a resumed syncer already holds parameters")
+        raise UserError("resume and init exclude each other: a resumed syncer already holds parameters")
     if v["record_no_payloads"] and v["record"] is None:
-        raise ValueError("record_no_payloads needs record DIR")
+        raise UserError("record_no_payloads needs record DIR")
     log = logging.getLogger("ddiloco.syncer")
     # Reading the checkpoint and the token may log (a corrupt checkpoint skipped, a shared token
     # accepted): those lines are held until the configuration has been logged, which comes first.
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 state, resumed_from = store.newest_valid(v["resume"])
             except store.StoreError as exc:
-                raise ValueError(f"cannot resume: {exc}") from exc
+                raise UserError(f"cannot resume: {exc}") from exc
             config = state.config
             ignored = sorted(key for key in CORE_KEYS if key in settings.sources)
             if ignored:
@@ -170,8 +172,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             initial = checkpoint.restore(Path(v["init"]).read_bytes())
         except OSError as exc:
-            raise ValueError(f"cannot read init {v['init']}: {exc.strerror}") from exc
-        state = syncer.new_state(config, initial.layout, [f.theta for f in initial.fragments])
+            raise UserError(f"cannot read init {v['init']}: {exc.strerror}") from exc
+        with user_input():  # parameters that do not fit the configuration
+            state = syncer.new_state(config, initial.layout, [f.theta for f in initial.fragments])
         log.info("initial parameters from %s (layout %s)", v["init"], state.layout.digest[:12])
     else:
         state = syncer.new_state(config)
@@ -179,15 +182,16 @@ def run(args: argparse.Namespace) -> int:
     if token is None:
         log.warning("no auth token: any peer that reaches %s:%d may join", v["host"], v["port"])
     kernels.warmup()
-    server_config = server.ServerConfig(
-        host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
-        snapshot_dir=v["snapshot_dir"], snapshot_every_s=v["snapshot_every_s"], snapshot_wait_s_max=v["snapshot_wait_s"],
-        run_id=store.run_of(resumed_from) if resumed_from is not None else None, checkpoint_overwrite=v["overwrite"],
-    )
+    with user_input():  # ServerConfig checks the values the settings gave
+        server_config = server.ServerConfig(
+            host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
+            snapshot_dir=v["snapshot_dir"], snapshot_every_s=v["snapshot_every_s"], snapshot_wait_s_max=v["snapshot_wait_s"],
+            run_id=store.run_of(resumed_from) if resumed_from is not None else None, checkpoint_overwrite=v["overwrite"],
+        )
     try:
         daemon = server.SyncerServer(state, server_config)
     except store.StoreError as exc:
-        raise ValueError(str(exc)) from exc
+        raise UserError(str(exc)) from exc
     if daemon.checkpoints is not None:
         log.info("checkpoints of run %s go to %s", daemon.checkpoints.run, daemon.checkpoints.directory)
     daemon.tape = _open_tape(v, state, log)
@@ -244,6 +248,6 @@ def _open_tape(v: dict[str, Any], state, log: logging.Logger):
     try:
         writer = recording.TapeWriter.create(v["record"], state, source, options)
     except tapes.TapeError as exc:
-        raise ValueError(str(exc)) from exc
+        raise UserError(str(exc)) from exc
     log.info("recording the event tape in %s (payloads %s)", v["record"], "kept" if options.keep_payloads else "hashed only")
     return writer

@@ -44,6 +44,7 @@ from ddiloco.core.layout import layout_from_description
 from ddiloco.core.ledger import FATES, Ledger
 from ddiloco.core.outer import NesterovState
 from ddiloco.core.syncer import SyncerState, new_state
+from ddiloco.errors import UserError
 
 __all__ = ["CONTAINER", "FORMAT", "CheckpointError", "content_hash", "manifest_of", "restore", "to_chunks"]
 
@@ -56,7 +57,7 @@ MANIFEST_BYTES_MAX = 64 << 20
 RUN_CHARS_MAX = 64
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that is corrupt, truncated or of another format; the message says which."""
 
 

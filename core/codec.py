@@ -1,6 +1,6 @@
 """Fragment codecs: a flat float32 fragment to bytes and back, with a small self-describing header.
 
-ALGORITHM.md, "Compression". Outer gradients travel int4 by default (blockwise absmax, one float32
+docs/algorithm.md, "Compression". Outer gradients travel int4 by default (blockwise absmax, one float32
 scale per block of 128, codes in [-7, 7]); fp32, bf16, int2 and int1 exist for broadcasts and for the
 compression ablation. A received payload is parsed into an `Encoded` view without copying, and the
 syncer merges straight from it: the fused kernels never materialise the fp32 vector for int4.
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddiloco import kernels
+from ddiloco.errors import UserError
 
 _HEADER = struct.Struct("<4sBBHIQI")
 HEADER_BYTES = _HEADER.size
@@ -37,7 +38,7 @@ _FORMAT = 1
 ELEMENTS_MAX = 2**31 - 1
 
 
-class CodecError(ValueError):
+class CodecError(UserError, ValueError):
     """A payload or an input that a codec cannot take; the message says what is wrong."""
 
 

@@ -16,9 +16,10 @@ from ddiloco.core.grace import GraceConfig
 from ddiloco.core.layout import FRAGMENTS_MAX, Strategy
 from ddiloco.core.merge import MergeMethod
 from ddiloco.core.outer import OuterConfig
+from ddiloco.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot work; the message names the field."""
 
 

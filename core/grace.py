@@ -1,4 +1,4 @@
-"""The adaptive grace window (ALGORITHM.md, "Syncer: one round", item 3).
+"""The adaptive grace window (docs/algorithm.md, "Syncer: one round of fragment p", item 3).
 
 After the quorum of a round is reached, the syncer waits a little longer for stragglers, but only
 inside the slack that overlap leaves before the merged fragment is due back at the learners:
@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ddiloco.errors import UserError
 
-class GraceConfigError(ValueError):
+
+class GraceConfigError(UserError, ValueError):
     pass
 
 

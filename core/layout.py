@@ -1,6 +1,6 @@
 """The fragment layout: which tensors of the model make up each of the P fragments.
 
-ALGORITHM.md, "Fragments and the schedule". A fragment is stored flat, in float32: its tensors
+docs/algorithm.md, "Fragments and the schedule". A fragment is stored flat, in float32: its tensors
 concatenated in path order, then zero padding up to a multiple of the codec block so that every block
 codec sees whole blocks. The layout is a pure function of the tensor list, the strategy, P and the
 block; its digest is what the syncer and every learner compare at hello time.
@@ -18,6 +18,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import orjson
 
+from ddiloco.errors import UserError
+
 # Limits on what a layout may describe; a hello carrying more is refused before anything is allocated.
 TENSORS_MAX = 1_000_000
 FRAGMENTS_MAX = 4096
@@ -28,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _LAYOUT_FORMAT = 1  # bumped whenever the digested description changes shape
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A tensor list or layout request that cannot be laid out; the message says what is wrong."""
 
 

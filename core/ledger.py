@@ -1,7 +1,7 @@
 """The token ledger: every token a learner reports ends in exactly one fate.
 
 Tokens are counted per (learner, fragment) *window*: the stretch of training between two receipts
-of fragment p by learner m (ALGORITHM.md, "Learner loop": the counters run since the learner last
+of fragment p by learner m (docs/algorithm.md, "Learner loop": the counters run since the learner last
 received fragment p). A window's tokens end as:
 
 - merged: they were in a push that took part in a merge,

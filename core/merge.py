@@ -1,4 +1,4 @@
-"""Merging the outer gradients of one fragment (ALGORITHM.md, "Syncer: one round", item 5).
+"""Merging the outer gradients of one fragment (docs/algorithm.md, "Syncer: one round of fragment p", item 5).
 
 Given admissible contributions v_m with token weights w_m (normalised here), the merged outer
 gradient Delta is, per tensor of the fragment:

@@ -1,4 +1,6 @@
-"""The outer optimizer: SGD with Nesterov momentum over each fragment, fp32 (ALGORITHM.md, item 6).
+"""The outer optimizer: SGD with Nesterov momentum over each fragment, fp32.
+
+docs/algorithm.md, "Syncer: one round of fragment p", item 6.
 
     buf   <- mu * buf + Delta
     Theta <- Theta - lr * (Delta + mu * buf)
@@ -17,9 +19,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ddiloco import kernels
+from ddiloco.errors import UserError
 
 
-class OuterConfigError(ValueError):
+class OuterConfigError(UserError, ValueError):
     pass
 
 

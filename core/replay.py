@@ -1,6 +1,6 @@
 """Replay: run the real syncer core over a tape and check that it reproduces the recorded run.
 
-ALGORITHM.md, "Event tape": replaying the tape through the same code reproduces the run exactly.
+docs/algorithm.md, "Event tape": replaying the tape through the same code reproduces the run exactly.
 The syncer starts as the tape's header says (empty, or the initial checkpoint, whose state hash is
 checked first); every event record goes through `core.syncer.handle` with its recorded `now`; the
 merges each event makes must match the check records that follow it (fragment, version and sha256

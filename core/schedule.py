@@ -1,4 +1,4 @@
-"""When each fragment is synchronised (ALGORITHM.md, "Fragments and the schedule").
+"""When each fragment is synchronised (docs/algorithm.md, "Fragments and the schedule").
 
 Fragment p has an offset t_p in [0, H) and is due at every global step t with t mod H == t_p. The
 default offsets t_p = floor(p*H/P) spread the P fragments evenly, so with P = H one fragment starts
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ddiloco.errors import UserError
+
 H_MAX = 1_000_000
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError, ValueError):
     """An impossible schedule; the message says which value is wrong."""
 
 

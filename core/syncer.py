@@ -1,6 +1,6 @@
 """The syncer state machine: `handle(state, event, now) -> (state, effects)`.
 
-ALGORITHM.md, "Syncer: one round of fragment p". The same code runs in the daemon, the simulator and
+docs/algorithm.md, "Syncer: one round of fragment p". The same code runs in the daemon, the simulator and
 replay. It is sans-I/O and deterministic: `now` is the syncer's monotonic clock, passed in; ties are
 broken by learner id; nothing reads a global RNG.
 
@@ -237,7 +237,10 @@ def _welcome(state: SyncerState, conn: int, learner: int, needs_init: bool,
 
 
 def _peers(state: SyncerState) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
-    """Live learners that serve their state, for a (re)joining one to copy (ALGORITHM.md, "Recovery")."""
+    """Live learners that serve their state, for a (re)joining one to copy.
+
+    docs/algorithm.md, "Recovery, snapshots, replay".
+    """
     live = [r for _, r in sorted(state.learners.items()) if r.status is LearnerStatus.LIVE and r.peer_url]
     return tuple((r.id, r.peer_url, tuple(r.versions)) for r in live[:PEERS_IN_WELCOME_MAX])
 

@@ -1,6 +1,6 @@
 """The event tape: every input the syncer core acted on, in order, so that a run can be replayed.
 
-ALGORITHM.md, "Event tape". A tape is a directory:
+docs/algorithm.md, "Event tape". A tape is a directory:
 
     tape.ddtp          the append-only tape file (layout below)
     payloads/<sha256>  content-addressed payload store: the raw body of each push or init payload,
@@ -53,6 +53,7 @@ from ddiloco.core.checksum import crc32
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.syncer import SyncerState, state_hash
 from ddiloco.core.vclock import VClock
+from ddiloco.errors import UserError
 
 MAGIC = b"DDTAPE\x00\x01"
 FORMAT = 1
@@ -71,7 +72,7 @@ FSYNC_EVERY_BYTES_DEFAULT = 16 << 20
 EVENT_KINDS: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(ev.Event)}
 
 
-class TapeError(ValueError):
+class TapeError(UserError, ValueError):
     """A tape that cannot be written or read (corrupt, foreign, missing payload); says which and where."""
 
 

@@ -1,6 +1,6 @@
 """Vector clocks: which events of the syncer and the learners happened before which.
 
-ALGORITHM.md, "Recovery, snapshots, replay". A clock maps a process name ("syncer", or a learner's
+docs/algorithm.md, "Recovery, snapshots, replay". A clock maps a process name ("syncer", or a learner's
 name) to a counter. The rules (docs/replay.md):
 
 - the syncer ticks its own entry once for every event its core handles, after merging the clock
@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from ddiloco.errors import UserError
+
 ENTRIES_MAX = 4096  # distinct process names in one clock
 NAME_CHARS_MAX = 256
 COUNTER_MAX = 2**63 - 1  # what the wire can carry
 
 
-class VClockError(ValueError):
+class VClockError(UserError, ValueError):
     """A clock that cannot be built or merged (bad entry, too many entries); the message says which."""
 
 

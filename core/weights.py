@@ -1,4 +1,4 @@
-"""Token weights, "quantity x quality" (ALGORITHM.md, "Syncer: one round", item 4).
+"""Token weights, "quantity x quality" (docs/algorithm.md, "Syncer: one round of fragment p", item 4).
 
 w = tokens^2 / steps = tokens x (tokens per step): a learner that processed more tokens, or larger
 batches per step, since it last received the fragment weighs more. No steps means weight 0.

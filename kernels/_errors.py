@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ddiloco.errors import UserError
 
-class KernelInputError(ValueError):
+
+class KernelInputError(UserError, ValueError):
     """An argument handed to a kernel has the wrong type, dtype, layout, length or value.
 
     Raised by the wrappers before any loop runs, so nothing the caller passed in has been modified.

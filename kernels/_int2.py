@@ -1,4 +1,4 @@
-"""int2 blockwise codec for the compression ablation (ALGORITHM.md: 2-bit collapses quality).
+"""int2 blockwise codec for the compression ablation (docs/algorithm.md, "Compression": 2 bits collapse quality).
 
 Format, per block of `block` values (block a multiple of 4):
 - scale = absmax / 3 as float32; a block of zeros has scale 0 and decodes to 0.

@@ -1,4 +1,4 @@
-"""int4 blockwise absmax codec (ALGORITHM.md, Compression): quantize, dequantize, fused accumulate.
+"""int4 blockwise absmax codec (docs/algorithm.md, "Compression"): quantize, dequantize, fused accumulate.
 
 Format, per block of `block` values (block even, default 128):
 - scale = absmax / 7 as float32 (one per block); a block of zeros has scale 0 and decodes to 0.

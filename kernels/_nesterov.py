@@ -1,4 +1,6 @@
-"""The outer optimizer's update (ALGORITHM.md, Syncer step 6): SGD with Nesterov momentum, in place.
+"""The outer optimizer's update, SGD with Nesterov momentum, in place.
+
+docs/algorithm.md, "Syncer: one round of fragment p", item 6:
 
     buf   <- mu * buf + g
     theta <- theta - lr * (g + mu * buf)

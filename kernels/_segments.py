@@ -1,4 +1,6 @@
-"""Per-tensor kernels for radial-directional averaging (ALGORITHM.md, Syncer step 5, RDA).
+"""Per-tensor kernels for radial-directional averaging (RDA).
+
+docs/algorithm.md, "Syncer: one round of fragment p", item 5.
 
 A fragment is a flat concatenation of tensors, described by int64 offsets[k+1]: tensor i is
 x[offsets[i]:offsets[i+1]]; offsets[-1] may stop short of the vector's end (zero padding that belongs

@@ -22,11 +22,13 @@ from typing import Iterator
 
 import numpy as np
 
+from ddiloco.errors import UserError
+
 HELD_OUT = ("macbeth", "tempest", "twelfth_night")
 VOCAB = 256
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The vendored data is missing or corrupt, or a shard request makes no sense."""
 
 

@@ -8,7 +8,7 @@ takes its target loss from the base run). Two sizes: `--quick` (a tiny model, ab
 experiment) and the default (a small reference model; the whole suite sized for under two hours
 on a 2-core machine).
 
-The paper's figures set beside ours are ALGORITHM.md's (Douillard et al., 2026). Decoupled DiLoCo
+The paper's figures set beside ours are those in docs/algorithm.md (Douillard et al., 2026). Decoupled DiLoCo
 defaults to the paper's setting: K = 1 with the adaptive grace window, RDA, int4 outer gradients.
 """
 
@@ -418,7 +418,7 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     Experiment(
         "failures", "Decoupled DiLoCo under a failure schedule",
         "Decoupled DiLoCo matches data-parallel quality also under heavy failures, with far higher goodput "
-        "(ALGORITHM.md Table 1: at 1.2M chips DP keeps 27%, M = 8 keeps 88%).",
+        "(Table 1, docs/algorithm.md: at 1.2M chips DP keeps 27%, M = 8 keeps 88%).",
         _failures, verdict=_verdict_failures,
         if_disagree="The quality gap is the one of dp-vs-decoupled (the outer step over-steps at our short period), "
         "not an effect of the failures: the run with learners down matches the fault-free one. Our DP has no "

@@ -28,6 +28,7 @@ import numpy as np
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import SyncerState
 from ddiloco.net import store
+from ddiloco.errors import UserError
 
 FORMATS = ("safetensors", "npz", "orbax")
 # A value of float32 may go into leaves of these dtypes (the syncer keeps float32 copies of them).
@@ -35,7 +36,7 @@ _NARROWER = {"bfloat16", "float16"}
 _LEAVES_NAMED_MAX = 5  # how many mismatching leaves an error lists
 
 
-class ParamsFileError(ValueError):
+class ParamsFileError(UserError, ValueError):
     """A parameter file that cannot be written, read or put into the given pytree; says which leaves."""
 
 

@@ -1,6 +1,6 @@
 """A (re)joining learner copies a healthy peer's state instead of starting from a fresh optimizer.
 
-ALGORITHM.md, "Recovery, snapshots, replay": the learner gets the syncer's versions in the welcome,
+docs/algorithm.md, "Recovery, snapshots, replay": the learner gets the syncer's versions in the welcome,
 copies parameters, inner-optimizer state and step from a live peer that holds those versions, and
 falls back to the syncer's fragments plus its fresh optimizer state on any error (a log line says
 why). Nothing the learner had before becomes global state: the syncer still gives it weight 0 until
@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.tree_util import tree_flatten_with_path, tree_structure, tree_unflatten
 
+from ddiloco.errors import UserError
 from ddiloco.learner.tree import leaf_path, put_all_like
 from ddiloco.net import peer, session
 
@@ -30,7 +31,7 @@ log = logging.getLogger("ddiloco.learner")
 FORMAT = 1
 
 
-class RecoveryError(ValueError):
+class RecoveryError(UserError, ValueError):
     """A peer's snapshot does not fit this learner (layout, structure, shapes, versions)."""
 
 

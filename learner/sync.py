@@ -1,6 +1,6 @@
 """The per-step sync hook a JAX training loop calls: `params = sync.step(params, tokens=n)`.
 
-ALGORITHM.md, "Learner loop". Each call, between two inner steps and without waiting on the
+docs/algorithm.md, "Learner loop". Each call, between two inner steps and without waiting on the
 network: counts the step and its tokens for every fragment; applies fragment versions that have
 arrived (overwrite, or an alpha mix) and resets their counters; answers the syncer's requests with
 the compressed outer gradient base_p - theta_p; and reports progress. The network runs on the

@@ -22,7 +22,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def default_is_embedding(path: str) -> bool:
-    """Token embeddings and untied output heads are mean-merged (ALGORITHM.md, "Fragments")."""
+    """Token embeddings and untied output heads are mean-merged (docs/algorithm.md, "Fragments and the schedule")."""
     parts = path.lower().split("/")
     return any("embed" in part or part in ("wte", "lm_head") for part in parts)
 

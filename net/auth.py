@@ -26,6 +26,8 @@ import stat
 import string
 from pathlib import Path
 
+from ddiloco.errors import UserError
+
 log = logging.getLogger("ddiloco.auth")
 
 TOKEN_BYTES_MIN = 16
@@ -39,7 +41,7 @@ _CLASSES = (frozenset(string.digits), frozenset(string.ascii_lowercase), frozens
             frozenset(string.punctuation))
 
 
-class AuthConfigError(ValueError):
+class AuthConfigError(UserError, ValueError):
     """A token or token file the daemon will not use; the message says why and what to do."""
 
 

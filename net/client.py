@@ -28,6 +28,7 @@ import aiohttp
 
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
+from ddiloco.errors import FaultError, UserError
 from ddiloco.net import session, wire
 
 log = logging.getLogger("ddiloco.client")
@@ -38,14 +39,18 @@ CLOSE_DRAIN_S_MAX = 30.0  # a learner that is stopping does not wait on a stuck 
 CLOSE_GRACE_S = 1.0  # after the drain time, this long for the goodbye and the close handshake
 
 
-class SyncerRefused(RuntimeError):
+class SyncerRefused(UserError, RuntimeError):
     """The syncer refused this learner for good (auth, layout, protocol); retrying cannot help."""
 
 
-class MalformedMessage(ValueError):
+class MalformedMessage(FaultError, ValueError):
     """A syncer message that frames correctly but does not make sense (a welcome whose layout or
     peer list does not parse, a payload of the wrong size): that connection is dropped and the
     client reconnects, as after any other fault of the connection."""
+
+
+class ClientConfigError(UserError, ValueError):
+    """A client setting that cannot work (a syncer URL that is not a websocket one, a bad interval)."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,13 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
-            raise ValueError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
+            raise ClientConfigError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
         if not 0 < self.reconnect_s_min <= self.reconnect_s_max:
-            raise ValueError("need 0 < reconnect_s_min <= reconnect_s_max")
+            raise ClientConfigError("need 0 < reconnect_s_min <= reconnect_s_max")
         if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
-            raise ValueError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
+            raise ClientConfigError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
         if not 0 <= self.close_drain_s <= CLOSE_DRAIN_S_MAX:
-            raise ValueError(f"close_drain_s must lie in [0, {CLOSE_DRAIN_S_MAX}], got {self.close_drain_s}")
+            raise ClientConfigError(f"close_drain_s must lie in [0, {CLOSE_DRAIN_S_MAX}], got {self.close_drain_s}")
 
 
 @dataclass

@@ -20,8 +20,10 @@ from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from ddiloco.errors import FaultError
 
-class SlowPeerError(RuntimeError):
+
+class SlowPeerError(FaultError, RuntimeError):
     """The learner does not read fast enough; its queues are full."""
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from ddiloco.errors import FaultError
 
 CHECKPOINT_WAIT_S_DEFAULT = 120.0
 
 
-class ControlError(RuntimeError):
+class ControlError(FaultError, RuntimeError):
     """The syncer could not be reached or refused the request; the message says which and why."""
 
 

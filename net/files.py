@@ -21,6 +21,7 @@ import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from ddiloco.errors import FaultError
 
 __all__ = ["FileError", "cause", "describe", "fsync_directory", "fsync_file", "make_directory", "remove", "temporary_name", "write_atomic"]
 
@@ -41,7 +42,7 @@ _CAUSES = {
 TEMPORARY_MARK = ".tmp-"  # in every temporary file's name: `.<name>.tmp-<pid>`
 
 
-class FileError(OSError):
+class FileError(FaultError, OSError):
     """A file operation that failed; `str()` says what, on which path, and why in words."""
 
     def __init__(self, action: str, path: Path | str, exc: OSError, note: str = ""):

@@ -1,6 +1,6 @@
 """Learner <-> learner: a learner serves a snapshot of its state; a (re)joining one fetches it.
 
-ALGORITHM.md, "Recovery, snapshots, replay". The server is a small aiohttp app on its own thread and
+docs/algorithm.md, "Recovery, snapshots, replay". The server is a small aiohttp app on its own thread and
 event loop (a slow download never delays the syncer connection's heartbeats). It never reads the
 training state itself: a request raises a flag in a `SnapshotBox`, the training loop publishes a
 snapshot at its next step boundary, and the server sends those bytes. So nothing races the loop.
@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from ddiloco.errors import FaultError
 from ddiloco.net.auth import bearer_matches
 
 log = logging.getLogger("ddiloco.peer")
@@ -50,8 +51,10 @@ except ImportError:  # pragma: no cover - the learner extra brings it
     pass
 
 
-class PeerError(RuntimeError):
+class PeerError(FaultError, RuntimeError):
     """A snapshot could not be had from a peer, or what came is unusable; the text says why."""
+
+    what_to_do = "check that the peer named above is up, reachable and serving an intact snapshot"
 
 
 @dataclass(frozen=True)

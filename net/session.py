@@ -18,6 +18,7 @@ import orjson
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
 from ddiloco.core.layout import Layout, TensorSpec
+from ddiloco.errors import UserError
 from ddiloco.net import messages as msg
 from ddiloco.net import wire
 
@@ -43,7 +44,7 @@ _WIRE_CODE = {
 }
 
 
-class SessionError(ValueError):
+class SessionError(UserError, ValueError):
     """A well-formed message that makes no sense here (wrong kind for the state, bad payload)."""
 
     def __init__(self, code: msg.ErrorCode, text: str, *, fatal: bool = False):

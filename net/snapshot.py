@@ -1,6 +1,6 @@
 """Consistent snapshots of the whole system (syncer + learners + messages in flight), Chandy-Lamport style.
 
-ALGORITHM.md, "Recovery, snapshots, replay". The topology is a star of FIFO channels (one websocket
+docs/algorithm.md, "Recovery, snapshots, replay". The topology is a star of FIFO channels (one websocket
 per learner, each direction in order). The syncer starts a snapshot between two events of its core
 (on a timer, on `POST /snapshot`, or `ddiloco snapshot URL`): it records its own state (a checkpoint)
 and sends a marker to every connected learner. A learner records its local state at its next step
@@ -40,6 +40,7 @@ from ddiloco.core import events as ev
 from ddiloco.core.syncer import SyncerState, state_hash
 from ddiloco.net import files
 from ddiloco.net.store import NO_RUN, checkpoint_name
+from ddiloco.errors import UserError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -49,7 +50,7 @@ SNAPSHOTS_KEPT_DEFAULT = 5
 LOCAL_STATE_BYTES_MAX = 16 << 30
 
 
-class SnapshotError(ValueError):
+class SnapshotError(UserError, ValueError):
     """A snapshot that cannot be written, or a directory that is not a complete, intact snapshot."""
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import SyncerState
+from ddiloco.errors import FaultError
 from ddiloco.net import files
 
 __all__ = [
@@ -66,9 +67,13 @@ _NAME = re.compile(rf"^ckpt-([0-9a-f]{{{RUN_HEX_CHARS}}})-(\d{{9}})-(\d{{12}})-(
 _LEGACY_NAME = re.compile(r"^ckpt-(\d{12})-(\d{6})-([0-9a-f]{16})\.ddck$")
 
 
-class StoreError(RuntimeError):
+class StoreError(FaultError, RuntimeError):
     """A checkpoint could not be written, none could be read, or the directory belongs to another
     run; the message says why (a failed write's `__cause__` is the net.files.FileError, errno included)."""
+
+    what_to_do = "check that the checkpoint directory exists, is writable and its disk has room"
+
+    what_to_do = "check that the checkpoint directory exists, is writable and its disk has room"
 
 
 @dataclass(frozen=True)

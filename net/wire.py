@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ddiloco.core.checksum import crc32
+from ddiloco.errors import UserError
 from ddiloco.net.messages import (
     BULK_KINDS,
     CLASS_OF_KIND,
@@ -128,7 +129,7 @@ class WireLimits:
         return self.frame_bytes_max - HEADER_BYTES
 
 
-class WireError(ValueError):
+class WireError(UserError, ValueError):
     """Bad bytes on the wire (or a message too large to send), with the code to report."""
 
     def __init__(self, code: ErrorCode, text: str, *, fatal: bool = True) -> None:

@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from ddiloco.errors import UserError
+
 YEAR_S = 365.25 * 86_400.0  # a Julian year; "one interruption per chip-year" uses it
 DAY_S = 86_400.0
 
@@ -21,7 +23,7 @@ HORIZON_S_MAX = 366 * DAY_S
 FAILURES_MAX = 20_000_000
 
 
-class SimConfigError(ValueError):
+class SimConfigError(UserError, ValueError):
     """A simulator setting that cannot work; the message names the field."""
 
 

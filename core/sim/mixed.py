@@ -7,8 +7,8 @@ normal, clipped at STEP_MIN of its base. Three syncer policies:
 - K = 1: nobody waits (goodput 1); a round merges the first arrival only, so the slow learners'
   work lands late, in later rounds (the quality loss the paper measures).
 - K = 1 with grace: nobody waits either; after the first arrival the syncer keeps the round open for
-  grace = clamp(gamma * (tau * step - quorum_time), 0, grace_max) (ALGORITHM.md, "Adaptive grace
-  window"; sync time taken as 0). A learner delivers at its next step boundary: after a uniform share
+  grace = clamp(gamma * (tau * step - quorum_time), 0, grace_max) (docs/algorithm.md, "Syncer: one round of fragment p",
+  item 3; sync time taken as 0). A learner delivers at its next step boundary: after a uniform share
   of its current step.
 Outputs per policy: goodput (busy chip-time share) and the share of learners merged per round.
 """

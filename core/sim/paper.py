@@ -1,4 +1,4 @@
-"""The numbers of Douillard et al. (2026) the simulator is checked against (ALGORITHM.md, "Goodput").
+"""The numbers of Douillard et al. (2026) the simulator is checked against (docs/algorithm.md, "Goodput").
 
 Table 1: goodput at MTBI = 1 chip-year, as fractions. Rows are systems (None: one job), columns are
 cluster sizes in chips.

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ddiloco.cli import simulate
+from ddiloco.errors import UserError
 
 
 def _run(*argv):
@@ -63,6 +64,6 @@ def test_scenarios_write_json(tmp_path, scenario):
         (["--days", "0"], "days"),
     ],
 )
-def test_bad_input_is_a_value_error_naming_it(argv, words):
-    with pytest.raises(ValueError, match=words):
+def test_bad_input_is_a_user_error_naming_it(argv, words):
+    with pytest.raises(UserError, match=words):
         _run(*argv, "--seeds", "1")

@@ -1,3 +1,6 @@
+import re
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -94,13 +97,140 @@ def test_parse_refuses_unexpected_size():
         codec.parse(codec.encode(gaussian(256), "int4"), elements=512)
 
 
-@settings(max_examples=40, deadline=None)
+# The payload header, written out here from the layout table in core/codec.py's docstring rather than
+# taken from the module, so that the tests below check parse against the specification, not against itself.
+HEADER = struct.Struct("<4sBBHIQI")  # magic, format, codec id, reserved, block, elements, body bytes
+IDENTS = {1: "fp32", 2: "bf16", 3: "int4", 4: "int2", 5: "int1"}
+CODES_PER_BYTE = {"int4": 2, "int2": 4, "int1": 8}
+
+
+def body_bytes(name: str, n: int, block: int) -> int:
+    if name == "fp32":
+        return 4 * n
+    if name == "bf16":
+        return 2 * n
+    return 4 * (n // block) + n // CODES_PER_BYTE[name]
+
+
+def expected(buf: bytes, elements: int | None = None) -> str | tuple[str, int, int]:
+    """What parse must do with `buf`: the regex its CodecError must match (the first check that
+    fails, in the order of the specification), or (codec, block, elements) of the payload it accepts."""
+    if len(buf) < 24:
+        return "shorter than the 24-byte codec header"
+    magic, fmt, ident, reserved, block, n, size = HEADER.unpack_from(buf)
+    if magic != b"DDCF":
+        return "bad codec magic"
+    if fmt != 1 or reserved != 0:
+        return "is not format 1"
+    if ident not in IDENTS:
+        return f"unknown codec id {ident}"
+    name = IDENTS[ident]
+    if size != len(buf) - 24:
+        return f"header says the body has {size} bytes"
+    if n > 2**31 - 1:
+        return "above the limit"
+    if elements is not None and n != elements:
+        return f"expected {elements}"
+    if name in CODES_PER_BYTE:
+        multiple = max(2, CODES_PER_BYTE[name])
+        if block <= 0 or block % multiple or block > 1 << 20:
+            return f"block must be a positive multiple of {multiple}"
+        if n % block:
+            return "is not a multiple of the block"
+    elif block != 0:
+        return f"declares block {block}, expected 0"
+    if size != body_bytes(name, n, block):
+        return f"needs a {body_bytes(name, n, block)}-byte body"
+    return name, block, n
+
+
+def check_parse(buf: bytes, elements: int | None = None) -> None:
+    want = expected(buf, elements)
+    if isinstance(want, str):
+        with pytest.raises(CodecError, match=re.escape(want)):
+            codec.parse(buf, elements=elements)
+        return
+    enc = codec.parse(buf, elements=elements)
+    name, block, n = want
+    assert (enc.codec.value, enc.block, enc.elements) == (name, block, n)
+    # the views cover the body exactly: scales first, then the codes (block codecs) or the values
+    body = buf[24:]
+    nscales = 4 * (n // block) if block else 0
+    assert (b"" if enc.scales is None else enc.scales.tobytes()) == body[:nscales]
+    assert enc.data.tobytes() == body[nscales:]
+    assert (enc.scales is None) == (block == 0)
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
-def test_parse_garbage_raises_codec_error_only(data):
-    try:
-        codec.parse(data)
-    except CodecError:
-        pass
+def test_parse_refuses_garbage_with_the_reason(data):
+    check_parse(data)
+
+
+FAULTS = (
+    "none",
+    "magic",
+    "format",
+    "reserved",
+    "codec id",
+    "block",
+    "elements",
+    "declared size",
+    "short body",
+    "long body",
+    "receiver expects another size",
+)
+
+
+@st.composite
+def near_valid_payloads(draw):
+    """A valid payload (random body bytes) with at most one fault put into it, and the size the
+    receiver expects (None: any)."""
+    ident = draw(st.sampled_from(sorted(IDENTS)))
+    name = IDENTS[ident]
+    multiple = max(2, CODES_PER_BYTE.get(name, 1))
+    block = multiple * draw(st.integers(1, 16)) if name in CODES_PER_BYTE else 0
+    n = (block or 1) * draw(st.integers(0, 8))
+    valid_block, valid_n = block, n
+    magic, fmt, reserved, size = b"DDCF", 1, 0, body_bytes(name, n, block)
+    elements = draw(st.sampled_from([None, n]))
+    fault = draw(st.sampled_from(FAULTS))
+    if fault == "magic":
+        magic = draw(st.binary(min_size=4, max_size=4))
+    elif fault == "format":
+        fmt = draw(st.integers(0, 255))
+    elif fault == "reserved":
+        reserved = draw(st.integers(0, 2**16 - 1))
+    elif fault == "codec id":
+        ident = draw(st.integers(0, 255))
+    elif fault == "block":
+        block = draw(st.integers(0, 2**32 - 1))
+    elif fault == "elements":
+        n = draw(st.integers(0, 2**64 - 1))
+    elif fault == "declared size":
+        size = draw(st.integers(0, 2**32 - 1))
+    elif fault == "receiver expects another size":
+        elements = draw(st.integers(0, 2**40))
+    # the body is that of the valid payload, one byte short or long (its header then telling the truth)
+    body_len = max(0, body_bytes(name, valid_n, valid_block) + {"short body": -1, "long body": 1}.get(fault, 0))
+    body = draw(st.binary(min_size=body_len, max_size=body_len))
+    if fault in ("short body", "long body"):
+        size = body_len
+    return HEADER.pack(magic, fmt, ident, reserved, block, n, size) + body, elements
+
+
+@settings(max_examples=400, deadline=None)
+@given(near_valid_payloads())
+def test_parse_accepts_exactly_the_payloads_the_specification_allows(case):
+    buf, elements = case
+    check_parse(buf, elements)
+
+
+@pytest.mark.parametrize("name", [c.value for c in Codec])
+def test_every_encoded_payload_is_one_the_specification_accepts(name):
+    payload = codec.encode(gaussian(256), name, 32)
+    assert expected(payload, 256) == (name, 32 if Codec(name).is_block else 0, 256)
+    check_parse(payload, 256)
 
 
 def test_error_feedback_carries_what_was_lost():

@@ -23,7 +23,7 @@ def padded(frag, *parts):
 
 
 def reference_rda(vectors, weights, frag):
-    """Straight from ALGORITHM.md: per tensor, weighted mean norm times unit of weighted mean unit."""
+    """Straight from docs/algorithm.md: per tensor, weighted mean norm times unit of weighted mean unit."""
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     out = np.zeros(frag.padded_size)
     for seg in frag.segments:

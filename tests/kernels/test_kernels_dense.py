@@ -56,7 +56,7 @@ def test_count_nonfinite_parallel_path():
 
 
 def nesterov_loop(theta, buf, g, lr, mu):
-    """Element by element in float32 scalars, the update rule of ALGORITHM.md as written."""
+    """Element by element in float32 scalars, the update rule of docs/algorithm.md as written."""
     lr, mu = np.float32(lr), np.float32(mu)
     for i in range(theta.size):
         buf[i] = mu * buf[i] + g[i]

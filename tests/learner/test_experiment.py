@@ -2,9 +2,12 @@
 and late joiners handled by the real core, and `ddiloco experiment` end to end at a tiny size."""
 
 import json
+import math
+import re
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from ddiloco.cli import main
@@ -244,16 +247,110 @@ def test_experiment_command_refuses_bad_input(capsys):
     assert "cannot read results from no-such-results.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["dp-vs-decoupled", "failures", "merge", "compression", "hetero", "scavenge", "demo-settings"])
+def _per_seed(arms: dict, label: str, metric: str) -> list:
+    return arms[label][metric]["values"]
+
+
+def _dp_vs_decoupled_order(arms: dict, steps: int) -> None:
+    # data-parallel has nothing to wait for and nothing to lose here: every step is useful
+    assert _per_seed(arms, "dense DP, M = 2", "goodput") == [1.0] * 3
+    assert _per_seed(arms, "dense DP, M = 2", "wall_s") == [float(steps)] * 3
+
+
+def _failures_order(arms: dict, steps: int) -> None:
+    dp, free, down = "DP, M = 4 slices, same failures", "Decoupled, M = 4, fault-free", "Decoupled, M = 4, down 25%"
+    # the synchronous job advances one step per second of wall time in which no slice is down
+    for goodput, wall in zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, dp, "wall_s"), strict=True):
+        assert goodput == pytest.approx(steps / wall)
+    assert _per_seed(arms, free, "goodput") == [1.0] * 3  # K = 1 without faults: nobody waits, nothing is lost
+    # a synchronous job stalls while any slice is down; a decoupled one loses only the down learner's time
+    pairs = zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput"), strict=True)
+    assert all(dp_goodput <= decoupled_goodput for dp_goodput, decoupled_goodput in pairs)
+
+
+def _merge_order(arms: dict, steps: int) -> None:
+    # the merge rule changes what a round merges, not when rounds happen
+    for m in (4, 8):
+        assert _per_seed(arms, f"mean, M = {m}", "merges") == _per_seed(arms, f"rda, M = {m}", "merges")
+
+
+def _hetero_order(arms: dict, steps: int) -> None:
+    # K = M: a merge needs every learner, so exactly half of each merge comes from the slow half
+    assert _per_seed(arms, "K = M = 4", "slow_share") == [0.5] * 3
+    # the grace window merges what would otherwise arrive just after the round closed (wasted work)
+    with_grace, without = arms["K = 1, grace"]["goodput"]["mean"], arms["K = 1, no grace"]["goodput"]["mean"]
+    assert with_grace > without
+
+
+def _scavenge_order(arms: dict, steps: int) -> None:
+    base = _per_seed(arms, "base", "time_to_target_s")
+    assert _per_seed(arms, "base", "speedup") == [1.0] * 3
+    assert all(0 < t <= w for t, w in zip(base, _per_seed(arms, "base", "wall_s"), strict=True))
+    for label in arms:
+        if label != "base":  # the time to the base run's loss, relative to the base run's (inf: never reached)
+            times, speedups = _per_seed(arms, label, "time_to_target_s"), _per_seed(arms, label, "speedup")
+            assert speedups == [t / b for t, b in zip(times, base, strict=True)]
+
+
+def _demo_settings_order(arms: dict, steps: int) -> None:
+    # half the period H: every fragment is synchronised twice as often
+    shorter = _per_seed(arms, "plain averaging, H = 4", "merges")
+    demo = _per_seed(arms, "plain averaging, H = 8 (the demo)", "merges")
+    assert all(a > b for a, b in zip(shorter, demo, strict=True))
+    assert _per_seed(arms, "DP, 2x tokens", "wall_s") == [2 * w for w in _per_seed(arms, "DP", "wall_s")]
+
+
+ORDERS = {
+    "dp-vs-decoupled": _dp_vs_decoupled_order,
+    "failures": _failures_order,
+    "merge": _merge_order,
+    "compression": lambda arms, steps: None,  # at 8 steps the codecs' losses are not yet apart
+    "hetero": _hetero_order,
+    "scavenge": _scavenge_order,
+    "demo-settings": _demo_settings_order,
+}
+
+
+def _check_summary_and_ranges(result: dict) -> None:
+    for label, stats in result["arms"].items():
+        for metric, s in stats.items():
+            values = s["values"]
+            assert len(values) == 3, (label, metric)
+            if any(v is None for v in values):
+                assert s["mean"] is None and s["std"] is None, (label, metric)
+                continue
+            arr = np.asarray(values, dtype=float)
+            if np.isfinite(arr).all():
+                assert s["mean"] == pytest.approx(arr.mean()), (label, metric)
+                assert s["std"] == pytest.approx(arr.std(ddof=1)), (label, metric)
+            else:
+                assert s["mean"] == math.inf, (label, metric)
+        loss = stats["eval_loss"]["values"]
+        assert all(0 < v < 6 for v in loss), (label, loss)  # nats per byte; uniform over 256 bytes is 5.55
+        assert stats["bits_per_byte"]["values"] == pytest.approx([v / math.log(2) for v in loss])
+        assert all(0 < g <= 1 for g in stats["goodput"]["values"]), label
+        assert all(w > 0 for w in stats["wall_s"]["values"]), label
+        accuracy = stats["choice_accuracy"]["values"]
+        assert all(a is None or 0 <= a <= 1 for a in accuracy), label
+        merges = stats["merges"]["values"]
+        if re.search(r"\bDP\b", label):
+            assert merges == [None] * 3, label  # data-parallel has no syncer
+        else:
+            assert all(m >= 1 and m == int(m) for m in merges), (label, merges)
+
+
+@pytest.mark.parametrize("name", list(ORDERS))
 def test_every_quick_experiment_runs_over_three_seeds(name):
-    """At a tiny budget (8 steps per learner): the arms, seeds and summary, not the paper's claim."""
+    """At a tiny budget (8 steps per learner): every arm over three seeds, its summary the mean and
+    spread of its values, every value in range, the orderings the algorithm implies, and the whole
+    result again for the same seeds."""
     # dp-vs-decoupled at dense M = 2 only: each M and each model is one more program to compile
     # (the MoE model itself is covered by test_model)
     size = replace(experiments.QUICK, budget_tokens=4 * 4 * 32 * 8, ms=(2,), moe_ms=())
     result = experiments.run_experiment(experiments.EXPERIMENTS[name], size)
     assert result["seeds"] == [0, 1, 2] and result["size"] == "quick"
-    for label, stats in result["arms"].items():
-        values = stats["eval_loss"]["values"]
-        assert len(values) == 3 and all(0 < v < 6 for v in values), (label, values)
-        assert stats["eval_loss"]["std"] >= 0
-    assert isinstance(result["agrees"], bool) and result["verdict"]
+    assert set(result["arms"]) == {arm.label for arm in experiments.EXPERIMENTS[name].arms(size)}
+    _check_summary_and_ranges(result)
+    ORDERS[name](result["arms"], result["steps_per_learner"])
+    assert result["verdict"]
+    assert experiments.run_experiment(experiments.EXPERIMENTS[name], size) == result  # deterministic by seed

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from ddiloco.cli import chaos_sim
+from ddiloco.errors import UserError
 
 
 def _run(*argv):
@@ -58,5 +59,5 @@ def test_bad_seed_lists_are_refused(text):
 
 
 def test_verbose_seed_must_be_run():
-    with pytest.raises(ValueError, match="not among the seeds"):
+    with pytest.raises(UserError, match="not among the seeds"):
         _run("--seeds", "0-1", "--verbose", "9")
