@@ -1,6 +1,6 @@
 """`ddiloco bench learner`: what the sync hook costs a training loop.
 
-The reference training loop (learner/run.py: the byte transformer, inner AdamW, one data shard) runs
+The reference training loop (demo/learner_process.py: the byte transformer, inner AdamW, one data shard) runs
 in this process against a real `ddiloco syncer` started as its own process on loopback. The same
 loop, same model and same batches, is timed with `params = sync.step(params, tokens=n)` after every
 inner step and without it, in alternating blocks so that a change in the machine's load falls on
@@ -78,8 +78,8 @@ def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen
 def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict:
     import jax
     import numpy as np
-    from ddiloco.learner import data
-    from ddiloco.learner import model as reference
+    from ddiloco.reference import data
+    from ddiloco.reference import model as reference
     from ddiloco.learner.sync import DilocoSync, SyncConfig
 
     work = Path(work or tempfile.mkdtemp(prefix="ddiloco-bench-learner-"))

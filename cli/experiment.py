@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.cli import require_learner_extra
 
     require_learner_extra()
-    from ddiloco.learner import experiments, results
-    from ddiloco.learner.model import enable_compilation_cache
+    from ddiloco.experiments import catalog as experiments, results_page as results
+    from ddiloco.reference.model import enable_compilation_cache
 
     if args.plot and args.name == "all":
         raise UserError("--plot draws one experiment; use --results for all of them")
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _load(paths: list[Path], names: tuple[str, ...]) -> list[dict]:
     """Saved results in the order of `names`; a clear error for a missing file or experiment."""
-    from ddiloco.learner import experiments
+    from ddiloco.experiments import catalog as experiments
     found: dict[str, dict] = {}
     for path in paths:
         try:

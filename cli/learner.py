@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.cli import require_learner_extra
 
     require_learner_extra()
-    from ddiloco.learner import data, model
-    from ddiloco.learner.run import LearnerConfig, run_learner
+    from ddiloco.reference import data, model
+    from ddiloco.demo.learner_process import LearnerConfig, run_learner
     from ddiloco.net.auth import read_token_file
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

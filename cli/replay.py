@@ -8,7 +8,7 @@ the file itself is left as it is.
 
 `ddiloco replay DIR --full` takes a whole run recorded by `ddiloco demo --record DIR`: it trains
 every learner again in this process, following its tape, and replays the syncer's tape(s) with the
-pushes the learners made again (learner.replay). Same exit statuses.
+pushes the learners made again (demo.replay). Same exit statuses.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _full(args: argparse.Namespace) -> dict:
     require_learner_extra()
     import logging
 
-    from ddiloco.learner import replay as full
+    from ddiloco.demo import replay as full
 
     # The learners' own log lines (late pushes, rejoins) were said in the recorded run already.
     logging.getLogger("ddiloco.learner").setLevel(logging.ERROR)

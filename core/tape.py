@@ -354,7 +354,7 @@ def _payload(tape: Tape, record: dict, ref: dict) -> codecs.Encoded:
     if ref["sha256"] not in tape.payloads and not tape.header.get("keep_payloads", True):
         raise TapeError(f"{where}: this tape was recorded without payloads (hashes only); "
                         "only `ddiloco replay --full` of a whole recorded demo can regenerate them")
-    body = tape.payload(ref["sha256"], where)  # regenerated ones come from re-executing the learners (learner.replay)
+    body = tape.payload(ref["sha256"], where)  # regenerated ones come from re-executing the learners (demo.replay)
     if len(body) != ref["bytes"]:
         raise TapeError(f"{where}: stored payload {ref['sha256'][:16]} has {len(body)} bytes, the record says {ref['bytes']}")
     try:

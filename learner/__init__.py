@@ -1,1 +1,1 @@
-"""The JAX side: pytree <-> fragments, the sync hook, reference models and the demo."""
+"""The learner library: pytree <-> fragments, the per-step sync hook, peer recovery, learner tapes."""

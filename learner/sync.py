@@ -71,7 +71,7 @@ class DilocoSync:
 
     `transport` is how it reaches the syncer: by default a `ThreadedClient` to `config.url`. Any
     object with the same non-blocking methods works (`wait_welcome`, `progress`, `push`, `init`,
-    `take`, `close`, the `refused` attribute); `learner.experiment` passes an in-process one that
+    `take`, `close`, the `refused` attribute); `experiments.runner` passes an in-process one that
     feeds the syncer core on a virtual clock."""
 
     def __init__(
@@ -84,7 +84,7 @@ class DilocoSync:
             kernels.serial_only()
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
         # `tape` (a learner.tape.LearnerTapeWriter) records what the hook takes from the network;
-        # `recover_fn` and `snapshots` are how a replay (learner.replay) stands in for the peers.
+        # `recover_fn` and `snapshots` are how a replay (demo.replay) stands in for the peers.
         self.tape = tape
         self.recover_fn = recover_fn
         self.calls = 0  # calls of `step`: the tape's clock

@@ -2,7 +2,7 @@
 
 `ddiloco demo --record DIR` gives every learner process its own tape directory (one per incarnation:
 a learner killed and started again writes a new one). Together with the syncer's tape they let
-`ddiloco replay DIR --full` re-run the whole system in one process (learner.replay, docs/replay.md).
+`ddiloco replay DIR --full` re-run the whole system in one process (demo.replay, docs/replay.md).
 
 What a learner's trajectory depends on, and so what is recorded: its configuration and seed (the
 header; never the token), the welcome(s) it got, the state it recovered from a peer (the snapshot

@@ -12,10 +12,10 @@ import optax
 import pytest
 
 from ddiloco.core.syncer import LearnerStatus
-from ddiloco.learner import data
-from ddiloco.learner import model as reference
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 from ddiloco.learner import recovery
-from ddiloco.learner.run import LearnerConfig, run_learner
+from ddiloco.demo.learner_process import LearnerConfig, run_learner
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.net import peer
 from ddiloco.net.peer import PeerConfig

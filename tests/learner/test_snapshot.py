@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import LearnerStatus, state_hash
-from ddiloco.learner import data
-from ddiloco.learner import model as reference
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tree import leaf_path
 from ddiloco.net import peer, store

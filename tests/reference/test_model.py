@@ -3,7 +3,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from ddiloco.learner import data, model
+from ddiloco.reference import data, model
 from ddiloco.learner.tree import tensor_specs
 
 

@@ -23,8 +23,8 @@ import numpy as np
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.outer import OuterConfig
-from ddiloco.learner import experiment as ex
-from ddiloco.learner import model as reference
+from ddiloco.experiments import runner as ex
+from ddiloco.reference import model as reference
 
 SEEDS_MIN = 3
 

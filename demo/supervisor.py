@@ -26,8 +26,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from ddiloco.learner import data
-from ddiloco.learner import model as reference
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 from ddiloco.learner.tree import TreeFragments
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import write_token_file
@@ -35,7 +35,7 @@ from ddiloco.net.auth import write_token_file
 POLL_S = 0.5
 EVAL_WINDOWS = 64
 SYNCER_START_S_MAX = 60.0  # a syncer that has not said "listening" by then has failed
-LOG_EVERY_STEPS = 5  # a learner writes one JSON line per this many of its steps (learner/run.py)
+LOG_EVERY_STEPS = 5  # a learner writes one JSON line per this many of its steps (demo/learner_process.py)
 STEPS_CAP_FACTOR = 2  # learners stop at this many times `steps` global steps, budget spent or not
 
 
@@ -131,7 +131,7 @@ class _Syncer:
 
 @dataclass
 class _LossLog:
-    """A learner's JSON lines (learner/run.py) read as they grow: (global step, train loss)."""
+    """A learner's JSON lines (demo/learner_process.py) read as they grow: (global step, train loss)."""
 
     path: Path
     offset: int = 0

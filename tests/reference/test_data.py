@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from ddiloco.learner import data
+from ddiloco.reference import data
 
 
 def test_vendored_corpus_is_verified_ascii_and_complete():

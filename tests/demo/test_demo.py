@@ -7,7 +7,7 @@ import math
 import pytest
 from ddiloco.cli import main as cli_main
 from ddiloco.net import snapshot as snapshots
-from ddiloco.learner.demo import (
+from ddiloco.demo.supervisor import (
     DemoConfig,
     _chaos_plan,
     report_json,
@@ -96,7 +96,7 @@ def test_bad_demo_configs(bad, match):
 def test_live_views_show_learner_state_step_tokens_loss_and_versions(tmp_path):
     import io
 
-    from ddiloco.learner.demo import (
+    from ddiloco.demo.supervisor import (
         PlainView,
         RichView,
         _Learner,

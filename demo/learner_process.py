@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from ddiloco.learner import data
-from ddiloco.learner import model as reference
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tape import LearnerTapeWriter, config_json
 from ddiloco.net.peer import PeerConfig, PeerError
@@ -84,7 +84,7 @@ def _start_state(cfg: LearnerConfig, sync: DilocoSync, params: Any, opt_state: A
 
 
 def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
-    """Train until the step budget is spent; returns a small summary. `replay` (learner.replay)
+    """Train until the step budget is spent; returns a small summary. `replay` (demo.replay)
     re-executes a recorded run instead: it stands in for the syncer and the peers, and says when the
     recorded run stopped."""
     reference.enable_compilation_cache(cfg.cache_dir)

@@ -1,6 +1,6 @@
 """The vendored training data: Shakespeare's works as bytes, held-out plays, disjoint learner shards.
 
-The texts ship with the package (`learner/data/shakespeare/*.txt.gz`, about 5 MB of ASCII, public
+The texts ship with the package (`reference/data/shakespeare/*.txt.gz`, about 5 MB of ASCII, public
 domain; provenance in its MANIFEST.json) and are checked against their sha256 on load, so nothing is
 downloaded at run time. The model is byte level: a token is a byte, the vocabulary is 256.
 
@@ -35,7 +35,7 @@ class DataError(UserError, ValueError):
 @cache
 def corpus() -> dict[str, bytes]:
     """name -> text, every file verified against the manifest."""
-    root = resources.files("ddiloco.learner") / "data" / "shakespeare"
+    root = resources.files("ddiloco.reference") / "data" / "shakespeare"
     try:
         manifest = json.loads((root / "MANIFEST.json").read_text())
     except (OSError, ValueError) as exc:

@@ -14,10 +14,10 @@ from ddiloco.cli import main
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.grace import GraceConfig
-from ddiloco.learner import experiment as ex
-from ddiloco.learner import experiments
-from ddiloco.learner import model as reference
-from ddiloco.learner.experiments import outage_schedule
+from ddiloco.experiments import runner as ex
+from ddiloco.experiments import catalog as experiments
+from ddiloco.reference import model as reference
+from ddiloco.experiments.catalog import outage_schedule
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 
 TINY = reference.ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq=32)  # seq >= 28: the choice eval
@@ -199,12 +199,12 @@ def test_demo_settings_default_size_is_the_demos_training():
     import argparse
 
     from ddiloco.cli import demo as demo_cli
-    from ddiloco.learner.demo import _model_config
+    from ddiloco.demo.supervisor import _model_config
 
     parser = argparse.ArgumentParser()
     demo_cli.add_arguments(parser)
     cfg = demo_cli.config_from_args(parser.parse_args([]))
-    from ddiloco.learner.demo import DemoConfig
+    from ddiloco.demo.supervisor import DemoConfig
 
     assert cfg == DemoConfig()  # `ddiloco demo` and the Python API's default are one demo
     size = experiments.DEFAULT

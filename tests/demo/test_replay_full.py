@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 from ddiloco.core import tape as tapes
-from ddiloco.learner import replay as full
+from ddiloco.demo import replay as full
 from ddiloco.learner import tape as ltapes
 from ddiloco.net import recording as recordings
 from ddiloco.net.auth import write_token_file
@@ -158,7 +158,7 @@ def test_a_recording_without_learner_tapes_is_refused_with_what_is_missing(tmp_p
 
 
 def test_a_config_from_another_version_is_a_clear_error():
-    from ddiloco.learner.run import learner_config_from_json
+    from ddiloco.demo.learner_process import learner_config_from_json
 
     with pytest.raises(ValueError, match="does not fit this version"):
         learner_config_from_json({"syncer": "ws://x/ws"})

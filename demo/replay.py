@@ -4,7 +4,7 @@ A recording (`ddiloco demo --record DIR`) holds the syncer's tape(s) (`syncer/`,
 after a syncer restart) and one tape per learner incarnation (`learners/<name>.<n>/`, learner.tape).
 The syncer's tapes name pushed payloads by hash only: they are regenerated here.
 
-1. Every learner incarnation is trained again by the same code (`learner.run.run_learner`) from its
+1. Every learner incarnation is trained again by the same code (`demo.learner_process.run_learner`) from its
    recorded configuration and seed, with a stand-in for the network that hands the sync hook, at the
    same call, what the live run's hook took (requests, fragment versions, errors, welcomes), and a
    stand-in for the peers that gives back the state it recovered. Each push, initial fragment and
@@ -159,7 +159,7 @@ class LearnerReplay:
 
 def replay_learner(tape: ltapes.LearnerTape, cache_dir: Path | None = None) -> tuple[LearnerResult, dict[str, bytes]]:
     """Re-execute one incarnation; (result, payload body by sha256 for every push and init it made)."""
-    from ddiloco.learner.run import learner_config_from_json, run_learner
+    from ddiloco.demo.learner_process import learner_config_from_json, run_learner
 
     cfg = replace(learner_config_from_json(tape.config), cache_dir=cache_dir, speed=1.0)  # speed only sleeps
     rep = LearnerReplay(tape)

@@ -28,9 +28,9 @@ import numpy as np
 from ddiloco.core import codec as codecs
 from ddiloco.core import syncer as core
 from ddiloco.core.config import SyncerConfig
-from ddiloco.learner import data
-from ddiloco.learner import model as reference
-from ddiloco.learner.inprocess import Hub, InProcessTransport, NetworkModel, VirtualLoop
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
+from ddiloco.experiments.inprocess import Hub, InProcessTransport, NetworkModel, VirtualLoop
 from ddiloco.learner.sync import DilocoSync, SyncConfig, check_alpha
 from ddiloco.learner.tree import TreeFragments, tensor_specs
 

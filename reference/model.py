@@ -18,8 +18,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from ddiloco.learner import data
-from ddiloco.learner.data import VOCAB
+from ddiloco.reference import data
+from ddiloco.reference.data import VOCAB
 
 CHOICE_ITEMS = 200  # multiple-choice items per evaluation (800 scored rows; well under a second on CPU)
 
