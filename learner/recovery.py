@@ -25,6 +25,8 @@ from jax.tree_util import tree_flatten_with_path, tree_structure, tree_unflatten
 from ddiloco.learner.tree import leaf_path, put_all_like
 from ddiloco.net import peer, session
 
+__all__ = ["FORMAT", "Recovered", "RecoveryError", "adopt", "recover", "snapshot_bytes"]
+
 log = logging.getLogger("ddiloco.learner")
 
 FORMAT = 1

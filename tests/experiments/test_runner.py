@@ -116,7 +116,7 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
         for i in range(m):
             params = ex.initial_params(TINY, cfg.seed)
             # every step's report, as the runner's learners send them (lockstep needs each one)
-            sync = DilocoSync(params, SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec,
+            sync = DilocoSync.connect(params, SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec,
                                                  progress_interval_s=0.0))
             sync.client = _Recorded(sync.client)
             syncs.append(sync)
