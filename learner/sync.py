@@ -131,6 +131,8 @@ class DilocoSync:
         self.tape = tape
         self.recover_fn = recover_fn
         self.snapshots: SnapshotOutbox = snapshots if snapshots is not None else SnapshotBox()
+        if config.peer is not None and transport is None and not isinstance(self.snapshots, SnapshotBox):
+            raise ValueError("a peer server (config.peer) serves a net.peer.SnapshotBox: leave snapshots unset with it")
         self.client: Transport | None = transport
         self.peer_server: PeerServer | None = None
         self._closed = False
@@ -193,6 +195,7 @@ class DilocoSync:
     def _start_client(self) -> ThreadedClient:
         config = self.config
         if config.peer is not None:
+            assert isinstance(self.snapshots, SnapshotBox)  # checked in the constructor
             self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
         tensors = tensor_specs(self._initial, self.is_embedding)
         peer_url = self.peer_server.url if self.peer_server else ""

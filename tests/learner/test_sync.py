@@ -168,3 +168,14 @@ def test_fragment_sync_is_a_value():
     values = np.ones(4, dtype=np.float32)
     h = g.received(3, values)
     assert (h.version, h.steps, h.tokens) == (3, 0, 0) and h.base is values
+
+
+def test_a_peer_server_needs_the_hooks_own_snapshot_box():
+    class Outbox:
+        wanted = False
+
+        def publish(self, data):
+            raise AssertionError("never asked")
+
+    with pytest.raises(ValueError, match="SnapshotBox"):
+        DilocoSync(model(0), SyncConfig(url="ws://127.0.0.1:1/ws", name="x", peer=PeerConfig()), snapshots=Outbox())
