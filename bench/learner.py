@@ -95,7 +95,7 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
     proc, port, token = _start_syncer(cfg, work)
     sync = None
     try:
-        sync = DilocoSync(params, SyncConfig(url=f"ws://127.0.0.1:{port}/ws", name="bench", token=token, codec=cfg.codec))
+        sync = DilocoSync.connect(params, SyncConfig(url=f"ws://127.0.0.1:{port}/ws", name="bench", token=token, codec=cfg.codec))
 
         def one(hooked: bool) -> float:
             nonlocal params, opt_state

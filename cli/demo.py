@@ -57,7 +57,7 @@ def _speeds(text: str | None) -> tuple[float, ...]:
 
 def config_from_args(args: argparse.Namespace):
     """The DemoConfig the flags describe (`--quick` only changes defaults a flag did not set)."""
-    from ddiloco.demo.supervisor import DemoConfig
+    from ddiloco.demo.config import DemoConfig
 
     quick, full = args.quick, DemoConfig  # the dataclass's defaults are the full demo's
     with user_input():  # DemoConfig checks the values the flags gave
@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     require_learner_extra()
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before minutes of training
         raise MissingExtraError("--plot needs matplotlib: install the learner extra, e.g. `pip install 'ddiloco[learner]'`")
-    from ddiloco.demo.supervisor import report_json, report_text, run_demo, write_plot
+    from ddiloco.demo.plot import write_plot
+    from ddiloco.demo.report import report_json, report_text
+    from ddiloco.demo.supervisor import run_demo
 
     cfg = config_from_args(args)
     print(f"demo: {cfg}", file=sys.stderr)

@@ -95,7 +95,7 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     _compile(train_step, params, opt_state, cfg)
     stream = data.batches(cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed))
     writer = LearnerTapeWriter.create(cfg.record, config_json(cfg)) if cfg.record is not None else None
-    sync = DilocoSync(
+    sync = DilocoSync.connect(
         params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec, peer=cfg.peer), tape=writer,
         **(replay.sync_arguments() if replay is not None else {}),
     )

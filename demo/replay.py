@@ -73,7 +73,8 @@ class FullResult:
 
 
 class _Transport:
-    """Stands in for `ThreadedClient`: what the live hook took, call by call; what it sends, kept."""
+    """Stands in for `ThreadedClient` (a learner.transport.Transport): what the live hook took, call
+    by call; what it sends, kept."""
 
     def __init__(self, tape: ltapes.LearnerTape):
         self.first = tape.welcome()
@@ -105,6 +106,12 @@ class _Transport:
 
     def init(self, fragment: int, payload: bytes) -> None:
         self.inits.append((self.calls, fragment, payload))
+
+    def take_markers(self) -> list[int]:
+        return []  # a consistent snapshot's local state changes nothing the run computes: not replayed
+
+    def local_state(self, snapshot: int, data: bytes) -> None:
+        raise AssertionError("the replay hands out no snapshot markers, so no local state is sent")
 
     def close(self) -> None:
         pass

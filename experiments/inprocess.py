@@ -334,6 +334,12 @@ class InProcessTransport:
         box.errors.clear()
         return requests, updates, errors, (box.welcomes, box.welcome)
 
+    def take_markers(self) -> list[int]:
+        return []  # the runner takes no consistent snapshots
+
+    def local_state(self, snapshot: int, data: bytes) -> None:
+        raise AssertionError("the in-process transport hands out no snapshot markers, so no local state is sent")
+
     def close(self) -> None:
         self.hang_up()
 

@@ -195,7 +195,7 @@ class _Learner:
             url="ws://in-process/ws", name=f"learner-{self.index}", codec=self.run.cfg.codec,
             error_feedback=self.run.cfg.error_feedback, alpha=self.run.cfg.alpha,
         )
-        self.sync = DilocoSync(self.params, sync_cfg, transport=self.transport)
+        self.sync = DilocoSync.connect(self.params, sync_cfg, transport=self.transport)
         self.transport.flush()  # the initial parameters, when this learner was asked for them
 
     def step(self) -> None:

@@ -26,6 +26,8 @@ from ddiloco.errors import UserError
 from ddiloco.learner.tree import leaf_path, put_all_like
 from ddiloco.net import peer, session
 
+__all__ = ["FORMAT", "Recovered", "RecoveryError", "adopt", "recover", "snapshot_bytes"]
+
 log = logging.getLogger("ddiloco.learner")
 
 FORMAT = 1

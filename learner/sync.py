@@ -1,10 +1,22 @@
 """The per-step sync hook a JAX training loop calls: `params = sync.step(params, tokens=n)`.
 
-docs/algorithm.md, "Learner loop". Each call, between two inner steps and without waiting on the
+The learner loop of Decoupled DiLoCo (docs/algorithm.md, "Learner loop"). Each call, between two inner steps and without waiting on the
 network: counts the step and its tokens for every fragment; applies fragment versions that have
 arrived (overwrite, or an alpha mix) and resets their counters; answers the syncer's requests with
 the compressed outer gradient base_p - theta_p; and reports progress. The network runs on the
 client's own thread; a syncer that is down only means no merges for a while.
+
+    with DilocoSync.connect(params, SyncConfig(url=..., name=...)) as sync:
+        params, opt_state = sync.recover(params, opt_state)
+        for batch in data:
+            params, opt_state = train_step(params, opt_state, batch)
+            params = sync.step(params, tokens=n, opt_state=opt_state)
+
+Joining: the constructor touches no network (it compiles the codec kernels); `join()` starts the
+client (and the peer server), waits for the syncer's welcome and sends the initial parameters if the
+syncer asks for them. `connect` is the constructor and `join` in one call. `step`, `recover` and
+`restore` join first when nobody has, so `DilocoSync(...)` followed by `step(...)` works as well;
+the first call then waits for the welcome (at most `welcome_timeout_s`).
 """
 
 from __future__ import annotations
@@ -13,26 +25,37 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple, Self
 
 import jax
 import numpy as np
 from ddiloco import kernels
 from ddiloco.core import codec
-from ddiloco.core.layout import layout_from_description
+from ddiloco.core.layout import Layout, layout_from_description
 from ddiloco.learner import recovery
+from ddiloco.learner.tape import LearnerTapeWriter
+from ddiloco.learner.transport import SnapshotOutbox, Transport
 from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
 from ddiloco.net import peer, session
 from ddiloco.net.client import ClientConfig, ThreadedClient
 from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
 
+__all__ = ["DilocoSync", "FragmentSync", "NotJoinedError", "RecoverFn", "SyncConfig", "check_alpha"]
+
 log = logging.getLogger("ddiloco.learner")
+
+# (welcome, params, opt_state, token, timeout_s, snapshot_bytes_max) -> the state copied from a peer
+RecoverFn = Callable[[session.WelcomeInfo, Any, Any, "str | None", float, int], recovery.Recovered]
 
 
 def check_alpha(alpha: float) -> None:
     """The mix of an arrived fragment into the learner's own: 0 overwrites; 1 would never apply it."""
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
+
+
+class NotJoinedError(RuntimeError):
+    """What the syncer's welcome decides (the learner id, the layout) was asked before `join`."""
 
 
 @dataclass(frozen=True)
@@ -60,121 +83,250 @@ class SyncConfig:
         codec.parse_codec(self.codec)
         if self.recover_timeout_s <= 0 or self.snapshot_bytes_max <= 0:
             raise ValueError("recover_timeout_s and snapshot_bytes_max must be positive")
+        if self.welcome_timeout_s <= 0:
+            raise ValueError(f"welcome_timeout_s must be positive, got {self.welcome_timeout_s}")
         check_alpha(self.alpha)
         if self.error_feedback and codec.parse_codec(self.codec) is codec.Codec.FP32:
             raise ValueError("error feedback needs a lossy codec (fp32 loses nothing)")
+
+
+class FragmentSync(NamedTuple):
+    """One fragment's sync state, as a value: the hook keeps a tuple of these, one per fragment."""
+
+    version: int = -1  # the version held; -1: none yet (the learner has weight 0 until it holds all)
+    base: np.ndarray | None = None  # that version's values as received: what outer gradients start from
+    steps: int = 0  # inner steps since the version held arrived
+    tokens: int = 0  # tokens trained on since then
+    feedback: codec.FeedbackState | None = None  # error feedback's residual, when enabled
+
+    def counted(self, tokens: int) -> FragmentSync:
+        """One more inner step of `tokens` tokens."""
+        return self._replace(steps=self.steps + 1, tokens=self.tokens + tokens)
+
+    def received(self, version: int, values: np.ndarray) -> FragmentSync:
+        """A version arrived and was applied: it is the new base, and the counters start again."""
+        return self._replace(version=version, base=values, steps=0, tokens=0)
 
 
 class DilocoSync:
     """One learner's side of Decoupled DiLoCo. Construct with the initial parameters (they become
     global state only if the syncer holds none and asks for them), then call `step` every step.
 
-    `transport` is how it reaches the syncer: by default a `ThreadedClient` to `config.url`. Any
-    object with the same non-blocking methods works (`wait_welcome`, `progress`, `push`, `init`,
-    `take`, `close`, the `refused` attribute); `experiments.runner` passes an in-process one that
-    feeds the syncer core on a virtual clock."""
+    `transport` is how it reaches the syncer (learner.transport.Transport): by default a
+    `ThreadedClient` to `config.url`, started by `join`; `experiments.runner` passes an in-process one
+    that feeds the syncer core on a virtual clock, full replay one that hands back a recording."""
 
     def __init__(
         self, params: Any, config: SyncConfig, is_embedding: Callable[[str], bool] = default_is_embedding,
-        transport: Any = None, tape: Any = None, recover_fn: Callable[..., recovery.Recovered] = recovery.recover,
-        snapshots: Any = None,
+        transport: Transport | None = None, tape: LearnerTapeWriter | None = None,
+        recover_fn: RecoverFn = recovery.recover, snapshots: SnapshotOutbox | None = None,
     ):
         self.config = config
+        self.is_embedding = is_embedding
         if config.serial_kernels:
             kernels.serial_only()
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
-        # `tape` (a learner.tape.LearnerTapeWriter) records what the hook takes from the network;
-        # `recover_fn` and `snapshots` are how a replay (demo.replay) stands in for the peers.
+        # `tape` records what the hook takes from the network; `recover_fn` and `snapshots` are how a
+        # replay (demo.replay) stands in for the peers.
         self.tape = tape
         self.recover_fn = recover_fn
+        self.snapshots: SnapshotOutbox = snapshots if snapshots is not None else SnapshotBox()
+        if config.peer is not None and transport is None and not isinstance(self.snapshots, SnapshotBox):
+            raise ValueError("a peer server (config.peer) serves a net.peer.SnapshotBox: leave snapshots unset with it")
+        self.client: Transport | None = transport
+        self.peer_server: PeerServer | None = None
+        self._closed = False
+        self._initial = params  # sent as version 0 if the syncer asks this learner for them
+        self._welcome: session.WelcomeInfo | None = None
+        self._learner_id: int | None = None
+        self._layout: Layout | None = None
+        self.tree: TreeFragments | None = None
+        self.fragments: tuple[FragmentSync, ...] = ()
         self.calls = 0  # calls of `step`: the tape's clock
-        self.snapshots = snapshots if snapshots is not None else SnapshotBox()
-        self.peer_server = None
-        if config.peer is not None and transport is None:
-            self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
-        peer_url = self.peer_server.url if self.peer_server else ""
+        self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
+        self.merged_versions_applied = 0
+        self.welcomes_seen = 0
+        self.recovered_from, self.recovery_s = "init", 0.0
+
+    @classmethod
+    def connect(cls, params: Any, config: SyncConfig, **kwargs: Any) -> DilocoSync:
+        """The hook, joined: constructed, then `join` (closed again if joining fails)."""
+        sync = cls(params, config, **kwargs)
         try:
-            self.client = transport if transport is not None else ThreadedClient(
-                ClientConfig(url=config.url, name=config.name, tensors=tensor_specs(params, is_embedding), token=config.token,
-                             peer_url=peer_url, progress_interval_s=config.progress_interval_s)
-            )
-            welcome = self.client.wait_welcome(config.welcome_timeout_s)
+            sync.join()
+        except BaseException:
+            sync.close()
+            raise
+        return sync
+
+    # ---- joining -----------------------------------------------------------------------------------
+
+    @property
+    def joined(self) -> bool:
+        return self._welcome is not None
+
+    def join(self) -> session.WelcomeInfo:
+        """Start the client (and the peer server, if configured), wait for the syncer's welcome (at
+        most `welcome_timeout_s`: TimeoutError), send the initial parameters if it asks for them.
+        Called again, returns the first welcome. On an error the hook is closed."""
+        if self._welcome is not None:
+            return self._welcome
+        if self._closed:
+            raise RuntimeError("this hook was closed: a learner that leaves joins again with a new DilocoSync")
+        try:
+            client = self.client if self.client is not None else self._start_client()
+            welcome = client.wait_welcome(self.config.welcome_timeout_s)
         except BaseException:
             self.close()
             raise
-        self.welcome = welcome
-        if tape is not None:
-            tape.welcome(1, welcome)
-        self.learner_id = welcome.learner
-        self.layout = layout_from_description(welcome.layout)
-        self.tree = TreeFragments(params, self.layout, is_embedding)
-        p = self.layout.num_fragments
-        self.step_count = welcome.global_step  # a (re)joining learner continues the syncer's count
-        self.versions = [-1] * p
-        self.base: list[np.ndarray | None] = [None] * p  # the version of each fragment last received
-        self.steps = [0] * p
-        self.tokens = [0] * p
-        self.feedback: list[codec.FeedbackState | None] = [None] * p
-        self.merged_versions_applied = 0
-        self.welcomes_seen = 1
-        self.recovered_from, self.recovery_s = "init" if welcome.needs_init else "syncer", 0.0
+        self._welcome, self._learner_id, self.welcomes_seen = welcome, welcome.learner, 1
+        if self.tape is not None:
+            self.tape.welcome(1, welcome)
+        self._layout = layout_from_description(welcome.layout)
+        self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
+        self.fragments = (FragmentSync(),) * self._layout.num_fragments
+        self.step_count = welcome.global_step
+        self.recovered_from = "init" if welcome.needs_init else "syncer"
         if welcome.needs_init:
-            self._send_init(params)
+            self._send_init(self._initial)
+        self._initial = None  # not kept alive for the run: the syncer holds the state from now on
+        return welcome
+
+    def _start_client(self) -> ThreadedClient:
+        config = self.config
+        if config.peer is not None:
+            assert isinstance(self.snapshots, SnapshotBox)  # checked in the constructor
+            self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
+        tensors = tensor_specs(self._initial, self.is_embedding)
+        peer_url = self.peer_server.url if self.peer_server else ""
+        self.client = ThreadedClient(ClientConfig(url=config.url, name=config.name, tensors=tensors, token=config.token,
+                                                  peer_url=peer_url, progress_interval_s=config.progress_interval_s))
+        return self.client
+
+    def _joined(self) -> tuple[Transport, TreeFragments, Layout]:
+        if self.client is None or self.tree is None or self._layout is None:
+            raise NotJoinedError("the learner has not joined the syncer yet: call join() (or step, recover, restore) first")
+        return self.client, self.tree, self._layout
+
+    @property
+    def welcome(self) -> session.WelcomeInfo:
+        """The first welcome of this hook's syncer session."""
+        if self._welcome is None:
+            raise NotJoinedError("no welcome yet: call join() first")
+        return self._welcome
+
+    @property
+    def layout(self) -> Layout:
+        return self._joined()[2]
+
+    @property
+    def learner_id(self) -> int:
+        """This learner's id in its current session (a rejoin gets a new one)."""
+        if self._learner_id is None:
+            raise NotJoinedError("no learner id yet: call join() first")
+        return self._learner_id
+
+    @property
+    def versions(self) -> list[int]:
+        """The version of each fragment held (-1: none yet)."""
+        return [f.version for f in self.fragments]
+
+    @property
+    def steps(self) -> list[int]:
+        return [f.steps for f in self.fragments]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [f.tokens for f in self.fragments]
 
     def _send_init(self, params: Any) -> None:
         """The syncer holds no parameters and asked this learner for them (only then do a learner's
         own weights become global state)."""
-        for q in range(self.layout.num_fragments):
-            values = self.tree.gather(params, q)
-            payload = codec.encode(values, "fp32")
+        client, tree, _ = self._joined()
+        fragments = list(self.fragments)
+        for q in range(len(fragments)):
+            values = tree.gather(params, q)
+            payload = _encode_init(values)
             if self.tape is not None:
                 self.tape.init(self.calls, q, payload)
-            self.client.init(q, payload)
-            self.base[q], self.versions[q] = values, 0
+            client.init(q, payload)
+            fragments[q] = FragmentSync().received(0, values)
+        self.fragments = tuple(fragments)
         log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
 
     def _rejoin(self, params: Any, welcome: session.WelcomeInfo) -> None:
         """A new welcome: the client reconnected (a new learner id; the syncer resends every
         fragment and the learner has weight 0 until it holds them), or the learner asked for the
         initial parameters died and this one is asked instead."""
-        self.learner_id = welcome.learner
-        self.versions = [-1] * self.layout.num_fragments
-        self.base = [None] * self.layout.num_fragments
-        self.steps = [0] * self.layout.num_fragments
-        self.tokens = [0] * self.layout.num_fragments
-        self.feedback = [None] * self.layout.num_fragments
+        self._learner_id = welcome.learner
+        self.fragments = (FragmentSync(),) * len(self.fragments)
         if welcome.needs_init:
             self._send_init(params)
         else:
-            log.info("rejoined the syncer as learner %d", self.learner_id)
+            log.info("rejoined the syncer as learner %d", self._learner_id)
+
+    # ---- starting state ------------------------------------------------------------------------------
 
     def recover(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """Call once after construction, before the first step: (params, opt_state) copied from a
-        healthy peer that holds the syncer's current versions, or the arguments unchanged (the
-        syncer's fragments then arrive and overwrite every parameter). `recovered_from` says which."""
-        if self.welcome.needs_init or any(v >= 0 for v in self.versions):
+        """Call once after joining, before the first step: (params, opt_state) copied from a healthy
+        peer that holds the syncer's current versions, or the arguments unchanged (the syncer's
+        fragments then arrive and overwrite every parameter). `recovered_from` says which."""
+        welcome = self.join()
+        _, tree, layout = self._joined()
+        if welcome.needs_init or any(f.version >= 0 for f in self.fragments):
             self.recovered_from = "init"
             return params, opt_state
         got = self.recover_fn(
-            self.welcome, params, opt_state, self.config.token, self.config.recover_timeout_s, self.config.snapshot_bytes_max
+            welcome, params, opt_state, self.config.token, self.config.recover_timeout_s, self.config.snapshot_bytes_max
         )
         self.recovered_from, self.recovery_s = got.source, got.seconds
         if self.tape is not None:  # the adopted state, as bytes a replay adopts the same way
-            copied = recovery.snapshot_bytes(got.params, got.opt_state, got.step, list(got.versions), self.layout.digest) if got.versions else None
+            copied = recovery.snapshot_bytes(got.params, got.opt_state, got.step, list(got.versions), layout.digest) if got.versions else None
             self.tape.recovered(got.source, got.step, got.versions, copied)
         if got.versions:
             self.step_count = got.step
-            self.versions = list(got.versions)
             # The base is the copied parameters, not the peer's base: the outer gradient this
             # learner pushes then holds its own progress only, not a second copy of the peer's.
-            self.base = [self.tree.gather(got.params, q) for q in range(self.layout.num_fragments)]
+            self.fragments = tuple(FragmentSync().received(v, tree.gather(got.params, q)) for q, v in enumerate(got.versions))
         return got.params, got.opt_state
+
+    def restore(self, params: Any, opt_state: Any, data: bytes) -> tuple[Any, Any]:
+        """Call once after joining instead of `recover`: continue from a local state recorded for a
+        consistent snapshot (`local_state_bytes`), against a syncer restored from the same snapshot.
+        Fragment versions newer than those held (in flight at the cut) arrive by themselves."""
+        welcome = self.join()
+        _, _, layout = self._joined()
+        snap = peer.decode_snapshot(data)
+        sync_meta = snap.meta.get("sync")
+        if not isinstance(sync_meta, dict):
+            raise recovery.RecoveryError("not a learner's local state of a snapshot (no sync state in it)")
+        params, opt_state, step, versions = recovery.adopt(snap, params, opt_state, layout.digest, tuple(welcome.versions))
+        if any(v > w for v, w in zip(versions, welcome.versions)):
+            raise recovery.RecoveryError(f"the local state holds versions {list(versions)}, newer than the syncer's "
+                                         f"{list(welcome.versions)}: they are not from the same snapshot")
+        p = layout.num_fragments
+        missing = [q for q in range(p) if f"sync/base/{q}" not in snap.arrays]
+        if missing:
+            raise recovery.RecoveryError(f"the local state has no base of fragments {missing}")
+        self.step_count = step
+        self.fragments = tuple(
+            FragmentSync(versions[q], np.array(snap.arrays[f"sync/base/{q}"]), int(sync_meta["steps"][q]), int(sync_meta["tokens"][q]),
+                         codec.FeedbackState(np.array(snap.arrays[f"sync/feedback/{q}"])) if f"sync/feedback/{q}" in snap.arrays else None)
+            for q in range(p)
+        )
+        self.recovered_from = "snapshot"
+        log.info("restored step %d and versions %s from a snapshot's local state", step, list(versions))
+        return params, opt_state
+
+    # ---- the step ------------------------------------------------------------------------------------
 
     def step(self, params: Any, tokens: int, opt_state: Any = None) -> Any:
         """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied.
         Give `opt_state` to let (re)joining peers copy the optimizer state too."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
+        self.join()
+        client, _, layout = self._joined()
         # The step boundary is where this step's parameters exist. With JAX's asynchronous dispatch
         # a loop runs steps ahead of the device, and a request then waits both for the loop to come
         # round and for the queue to drain: measured in the demo, a push left 350 ms (3.5 steps)
@@ -183,13 +335,12 @@ class DilocoSync:
         jax.block_until_ready(params)
         self.step_count += 1
         self.calls += 1
-        for q in range(len(self.steps)):
-            self.steps[q] += 1
-            self.tokens[q] += tokens
-        requests, updates, errors, (welcomes, welcome) = self.client.take()
+        self.fragments = tuple(f.counted(tokens) for f in self.fragments)
+        requests, updates, errors, (welcomes, welcome) = client.take()
         if self.tape is not None:
             self.tape.take(self.calls, requests, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
         if welcomes != self.welcomes_seen:
+            assert welcome is not None, "a transport counted a welcome it did not hand over"
             self.welcomes_seen = welcomes
             self._rejoin(params, welcome)
             requests = []  # asked of the old session
@@ -201,93 +352,102 @@ class DilocoSync:
             self._answer(params, req)
         for q, update in sorted(updates.items()):
             params = self._apply(params, q, update)
-        if min(self.versions) >= 0:
+        if all(f.version >= 0 for f in self.fragments):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live).
-            self.client.progress(
-                session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
-            )
-        take_markers = getattr(self.client, "take_markers", None)
-        for snapshot in take_markers() if take_markers is not None else ():
+            client.progress(session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens)))
+        for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
             # pushes made so far, which is what makes the cut consistent.
-            self.client.local_state(snapshot, self.local_state_bytes(params, opt_state))
+            client.local_state(snapshot, self.local_state_bytes(params, opt_state))
             log.info("recorded the local state for snapshot %d at step %d", snapshot, self.step_count)
         if self.snapshots.wanted:  # a peer asked; the end of a step is a consistent point to copy
-            snapshot = recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest)
+            snapshot = recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, layout.digest)
             if self.tape is not None:
                 self.tape.published(self.calls, self.step_count, snapshot)
             self.snapshots.publish(snapshot)
         return params
 
     def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
-        if update.version <= self.versions[q]:
+        if update.version <= self.fragments[q].version:
             return params
-        values = update.encoded.decode()
-        params = self.tree.scatter(params, q, values, self.config.alpha)
-        self.base[q], self.versions[q] = values, update.version
-        self.steps[q], self.tokens[q] = 0, 0
+        _, tree, _ = self._joined()
+        values = _decode(update.encoded)
+        params = tree.scatter(params, q, values, self.config.alpha)
+        self._set(q, self.fragments[q].received(update.version, values))
         self.merged_versions_applied += 1
         return params
 
     def _answer(self, params: Any, req: session.RequestInfo) -> None:
         # A request computed against a version we no longer hold is answered by the next round.
-        if self.base[req.fragment] is None or req.base_version != self.versions[req.fragment]:
+        frag = self.fragments[req.fragment]
+        if frag.base is None or req.base_version != frag.version:
             return
-        delta = self.base[req.fragment] - self.tree.gather(params, req.fragment)
-        if self.config.error_feedback:
-            state = self.feedback[req.fragment] or codec.feedback_init(delta.size)
-            payload, self.feedback[req.fragment] = codec.encode_with_feedback(delta, state, self.config.codec, self.layout.block)
-        else:
-            payload = codec.encode(delta, self.config.codec, self.layout.block)
-        push = session.PushInfo(req.fragment, req.round, req.base_version, self.steps[req.fragment], self.tokens[req.fragment], payload)
+        client, tree, layout = self._joined()
+        payload, feedback = _encode_delta(frag.base - tree.gather(params, req.fragment), frag.feedback, self.config, layout.block)
+        self._set(req.fragment, frag._replace(feedback=feedback))
+        push = session.PushInfo(req.fragment, req.round, req.base_version, frag.steps, frag.tokens, payload)
         if self.tape is not None:
             self.tape.push(self.calls, push)
-        self.client.push(push)
+        client.push(push)
+
+    def _set(self, q: int, frag: FragmentSync) -> None:
+        self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1:]
+
+    # ---- state out -----------------------------------------------------------------------------------
 
     def local_state_bytes(self, params: Any, opt_state: Any) -> bytes:
         """Everything this learner's future depends on: parameters, optimizer state, step, and the
         sync state (fragment versions held, their bases, counters since, error-feedback residuals)."""
-        p = self.layout.num_fragments
-        arrays = {f"base/{q}": self.base[q] for q in range(p) if self.base[q] is not None}
-        arrays |= {f"feedback/{q}": self.feedback[q].residual for q in range(p) if self.feedback[q] is not None}
-        meta = {"steps": list(self.steps), "tokens": list(self.tokens), "name": self.config.name, "learner": self.learner_id}
-        return recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, self.layout.digest, meta, arrays)
-
-    def restore(self, params: Any, opt_state: Any, data: bytes) -> tuple[Any, Any]:
-        """Call once after construction instead of `recover`: continue from a local state recorded
-        for a consistent snapshot (`local_state_bytes`), against a syncer restored from the same
-        snapshot. Fragment versions newer than those held (in flight at the cut) arrive by themselves."""
-        snap = peer.decode_snapshot(data)
-        sync_meta = snap.meta.get("sync")
-        if not isinstance(sync_meta, dict):
-            raise recovery.RecoveryError("not a learner's local state of a snapshot (no sync state in it)")
-        params, opt_state, step, versions = recovery.adopt(snap, params, opt_state, self.layout.digest, tuple(self.welcome.versions))
-        p = self.layout.num_fragments
-        if any(v > w for v, w in zip(versions, self.welcome.versions)):
-            raise recovery.RecoveryError(f"the local state holds versions {list(versions)}, newer than the syncer's "
-                                         f"{list(self.welcome.versions)}: they are not from the same snapshot")
-        missing = [q for q in range(p) if f"sync/base/{q}" not in snap.arrays]
-        if missing:
-            raise recovery.RecoveryError(f"the local state has no base of fragments {missing}")
-        self.step_count, self.versions = step, list(versions)
-        self.base = [np.array(snap.arrays[f"sync/base/{q}"]) for q in range(p)]
-        self.steps, self.tokens = [int(x) for x in sync_meta["steps"]], [int(x) for x in sync_meta["tokens"]]
-        self.feedback = [codec.FeedbackState(np.array(snap.arrays[f"sync/feedback/{q}"]))
-                         if f"sync/feedback/{q}" in snap.arrays else None for q in range(p)]
-        self.recovered_from = "snapshot"
-        log.info("restored step %d and versions %s from a snapshot's local state", step, list(versions))
-        return params, opt_state
+        _, _, layout = self._joined()
+        arrays = {f"base/{q}": f.base for q, f in enumerate(self.fragments) if f.base is not None}
+        arrays |= {f"feedback/{q}": f.feedback.residual for q, f in enumerate(self.fragments) if f.feedback is not None}
+        meta = {"steps": self.steps, "tokens": self.tokens, "name": self.config.name, "learner": self.learner_id}
+        return recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, layout.digest, meta, arrays)
 
     def params_sha256(self, params: Any) -> str:
         """sha256 of every fragment of `params`, gathered to the host: what a full replay compares."""
+        _, tree, layout = self._joined()
         h = hashlib.sha256()
-        for q in range(self.layout.num_fragments):
-            h.update(memoryview(self.tree.gather(params, q)))
+        for q in range(layout.num_fragments):
+            h.update(memoryview(tree.gather(params, q)))
         return h.hexdigest()
 
+    # ---- the end -------------------------------------------------------------------------------------
+
     def close(self) -> None:
-        if getattr(self, "client", None) is not None:
-            self.client.close()
-        if self.peer_server is not None:
-            self.peer_server.close()
+        """Close the client (what is queued goes out, then a goodbye) and the peer server. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.client is not None:
+                self.client.close()
+        finally:
+            if self.peer_server is not None:
+                self.peer_server.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# The codec calls, one small helper each (the kernels' threading is decided in one place).
+
+
+def _encode_init(values: np.ndarray) -> bytes:
+    return codec.encode(values, "fp32")
+
+
+def _decode(encoded: codec.Encoded) -> np.ndarray:
+    return encoded.decode()
+
+
+def _encode_delta(delta: np.ndarray, feedback: codec.FeedbackState | None, config: SyncConfig, block: int
+                  ) -> tuple[bytes, codec.FeedbackState | None]:
+    """An outer gradient as push bytes; with error feedback, also the residual it leaves for the next."""
+    if not config.error_feedback:
+        return codec.encode(delta, config.codec, block), feedback
+    return codec.encode_with_feedback(delta, feedback or codec.feedback_init(delta.size), config.codec, block)

@@ -27,6 +27,8 @@ from ddiloco.core import codec as codecs
 from ddiloco.core import tape as tapes
 from ddiloco.net import recording, session
 
+__all__ = ["KINDS", "MAGIC", "TAPE_FILE", "LearnerTape", "LearnerTapeError", "LearnerTapeWriter", "config_json", "payload_body", "read", "sha256"]
+
 MAGIC = b"DDLTAPE\x01"
 TAPE_FILE = "learner.ddtp"
 KINDS = ("header", "welcome", "recover", "take", "push", "init", "publish", "close")

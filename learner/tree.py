@@ -18,6 +18,8 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, t
 
 from ddiloco.core.layout import Layout, LayoutError, TensorSpec
 
+__all__ = ["TreeFragments", "default_is_embedding", "leaf_path", "put_all_like", "tensor_specs"]
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 

@@ -7,14 +7,11 @@ import math
 import pytest
 from ddiloco.cli import main as cli_main
 from ddiloco.net import snapshot as snapshots
-from ddiloco.demo.supervisor import (
-    DemoConfig,
-    _chaos_plan,
-    report_json,
-    report_text,
-    run_demo,
-    write_plot,
-)
+from ddiloco.demo.chaos_monkey import chaos_plan
+from ddiloco.demo.config import DemoConfig
+from ddiloco.demo.plot import write_plot
+from ddiloco.demo.report import report_json, report_text
+from ddiloco.demo.supervisor import run_demo
 
 
 def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_full(tmp_path):
@@ -77,10 +74,10 @@ def test_chaos_plan_is_seeded_by_step_and_the_syncer_kill_leaves_the_rest_alone(
     import numpy as np
 
     cfg = DemoConfig(steps=400, kills=3, pauses=2)
-    plan = _chaos_plan(cfg, np.random.default_rng(7))
-    assert plan == _chaos_plan(cfg, np.random.default_rng(7))
+    plan = chaos_plan(cfg, np.random.default_rng(7))
+    assert plan == chaos_plan(cfg, np.random.default_rng(7))
     assert [a for _, a, _ in plan].count("kill") == 3 and all(0 < s < 400 for s, _, _ in plan)
-    with_syncer = _chaos_plan(DemoConfig(steps=400, kills=3, pauses=2, kill_syncer=True), np.random.default_rng(7))
+    with_syncer = chaos_plan(DemoConfig(steps=400, kills=3, pauses=2, kill_syncer=True), np.random.default_rng(7))
     assert [p for p in with_syncer if p[1] != "kill-syncer"] == plan
 
 
@@ -96,26 +93,20 @@ def test_bad_demo_configs(bad, match):
 def test_live_views_show_learner_state_step_tokens_loss_and_versions(tmp_path):
     import io
 
-    from ddiloco.demo.supervisor import (
-        PlainView,
-        RichView,
-        _Learner,
-        _LossLog,
-        _Syncer,
-        make_view,
-    )
+    from ddiloco.demo.live_view import PlainView, RichView, make_view
+    from ddiloco.demo.supervisor import LearnerProcess, LossLog, SyncerProcess
 
     log = tmp_path / "learner0.jsonl"
     log.write_text('{"step": 5, "loss": 3.25}\n{"step": 10, "loss": 2.5}\n{"step": 1')  # the last line still being written
-    logs = [_LossLog(log), _LossLog(tmp_path / "missing.jsonl")]
+    logs = [LossLog(log), LossLog(tmp_path / "missing.jsonl")]
     for entry in logs:
         entry.read()
     assert logs[0].points == [(5, 3.25), (10, 2.5)] and logs[1].points == []
     status = {"global_step": 10, "merges": 3, "fragments": [{"version": 2}, {"version": 1}],
               "learners": [{"id": 1, "name": "learner-0", "status": "live", "step": 10, "versions": [2, 1]}],
               "decisions": [{"reason": "merged 1/2 (quorum 1) after 0 ms of grace"}]}
-    learners, cfg = [_Learner(0), _Learner(1, killed_at=1.0)], DemoConfig(learners=2)
-    syncer = _Syncer(proc=None, log=tmp_path / "syncer.log")
+    learners, cfg = [LearnerProcess(0), LearnerProcess(1, killed_at=1.0)], DemoConfig(learners=2)
+    syncer = SyncerProcess(proc=None, log=tmp_path / "syncer.log")
     assert isinstance(make_view(io.StringIO()), PlainView)  # not a terminal: plain lines
     plain = io.StringIO()
     PlainView(plain).update(12.0, status, learners, logs, cfg, syncer)

@@ -119,7 +119,7 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
         for i in range(m):
             params = ex.initial_params(TINY, cfg.seed)
             # every step's report, as the runner's learners send them (lockstep needs each one)
-            sync = DilocoSync(params, SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec,
+            sync = DilocoSync.connect(params, SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec,
                                                  progress_interval_s=0.0))
             sync.client = _Recorded(sync.client)
             syncs.append(sync)
@@ -199,20 +199,20 @@ def test_demo_settings_default_size_is_the_demos_training():
     import argparse
 
     from ddiloco.cli import demo as demo_cli
-    from ddiloco.demo.supervisor import _model_config
+    from ddiloco.demo.config import model_config
 
     parser = argparse.ArgumentParser()
     demo_cli.add_arguments(parser)
     cfg = demo_cli.config_from_args(parser.parse_args([]))
-    from ddiloco.demo.supervisor import DemoConfig
+    from ddiloco.demo.config import DemoConfig
 
     assert cfg == DemoConfig()  # `ddiloco demo` and the Python API's default are one demo
     size = experiments.DEFAULT
     setting = size.demo_setting()
-    assert (setting.model, setting.steps, setting.period, setting.overlap) == (_model_config(cfg), cfg.steps, cfg.period, cfg.overlap)
+    assert (setting.model, setting.steps, setting.period, setting.overlap) == (model_config(cfg), cfg.steps, cfg.period, cfg.overlap)
     assert (size.batch, size.m, size.fragments) == (cfg.batch, cfg.learners, cfg.fragments)
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.quorum) == (1.0, 0.0, 1)
-    assert experiments.EXPERIMENTS["demo-settings"].model_and_steps(size) == (_model_config(cfg), cfg.steps)  # what the page names
+    assert experiments.EXPERIMENTS["demo-settings"].model_and_steps(size) == (model_config(cfg), cfg.steps)  # what the page names
     # a budget given overrides the steps, as for the other experiments
     assert replace(size, budget_tokens=4 * 8 * 64 * 10).demo_setting().steps == 10
 

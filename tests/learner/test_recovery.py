@@ -55,7 +55,7 @@ class PeerLearner:
     def __init__(self, url):
         self.stop, self.steps, self.error = threading.Event(), 0, None
         params, opt_state = fresh_state(0)
-        self.sync = DilocoSync(params, SyncConfig(url=url, name="a", token=TOKEN, peer=PeerConfig()))
+        self.sync = DilocoSync.connect(params, SyncConfig(url=url, name="a", token=TOKEN, peer=PeerConfig()))
         self.thread = threading.Thread(target=self._run, args=(params, opt_state), daemon=True)
         self.thread.start()
 
@@ -93,7 +93,7 @@ def test_a_killed_learner_rejoins_from_a_live_peer(threaded_syncer):
         (peer_id,) = hub.wait_for("live learner a", live("a"))
 
         params, opt_state = fresh_state(1)
-        sync = DilocoSync(params, SyncConfig(url=hub.url, name="b", token=TOKEN, recover_timeout_s=60))
+        sync = DilocoSync.connect(params, SyncConfig(url=hub.url, name="b", token=TOKEN, recover_timeout_s=60))
         params, opt_state = sync.recover(params, opt_state)
         assert sync.recovered_from == f"peer {peer_id}"
         assert sync.step_count > 0 and adam_count(opt_state) > 0  # the peer's step and AdamW state, not fresh ones
@@ -128,7 +128,7 @@ def test_no_reachable_peer_falls_back_to_the_syncer(threaded_syncer):
     first = second = None
     try:
         params, opt_state = fresh_state(1)
-        first = DilocoSync(params, SyncConfig(url=hub.url, name="a", token=TOKEN, peer=PeerConfig()))
+        first = DilocoSync.connect(params, SyncConfig(url=hub.url, name="a", token=TOKEN, peer=PeerConfig()))
         first.recover(params, opt_state)
         assert first.recovered_from == "init"
         hub.wait_for("fragments held", lambda s: s.holds_parameters)
@@ -140,7 +140,7 @@ def test_no_reachable_peer_falls_back_to_the_syncer(threaded_syncer):
         first.peer_server.close()  # a live learner whose endpoint is gone
 
         params2, opt2 = fresh_state(2)
-        second = DilocoSync(params2, SyncConfig(url=hub.url, name="b", token=TOKEN, recover_timeout_s=5))
+        second = DilocoSync.connect(params2, SyncConfig(url=hub.url, name="b", token=TOKEN, recover_timeout_s=5))
         assert [p.learner for p in second.welcome.peers] == [me]
         got_params, got_opt = second.recover(params2, opt2)
         assert second.recovered_from == "syncer"

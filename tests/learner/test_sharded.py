@@ -171,7 +171,7 @@ def check_sync_and_recovery(checks: Checks, result: dict) -> None:
     from conftest import TOKEN, ThreadedSyncer
 
     daemon = ThreadedSyncer(SyncerConfig(num_fragments=2, period=2, quorum=1))
-    sync = DilocoSync(params, SyncConfig(url=daemon.url, name="sharded", token=TOKEN))
+    sync = DilocoSync.connect(params, SyncConfig(url=daemon.url, name="sharded", token=TOKEN))
     try:
         deadline, steps = time.monotonic() + MERGE_DEADLINE_S, 0
         # Train until the learner has applied merged versions of both fragments (not a step count:

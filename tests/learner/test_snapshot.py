@@ -33,7 +33,7 @@ class Learner:
         self.stop, self.steps, self.error = threading.Event(), 0, None
         self.params = reference.init_params(MODEL, jax.random.PRNGKey(index))
         self.opt_state = reference.make_optimizer(TRAIN).init(self.params)
-        self.sync = DilocoSync(self.params, SyncConfig(url=url, name=name, token=TOKEN))
+        self.sync = DilocoSync.connect(self.params, SyncConfig(url=url, name=name, token=TOKEN))
         if restore_from is not None:
             self.params, self.opt_state = self.sync.restore(self.params, self.opt_state, restore_from)
         self.start_params = self.params

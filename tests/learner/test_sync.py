@@ -1,6 +1,8 @@
 """The learner hook with a real syncer on 127.0.0.1: JAX pytrees in, fragments over real sockets."""
 
 import time
+import urllib.error
+import urllib.request
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +10,9 @@ import pytest
 
 from ddiloco.core import syncer
 from ddiloco.core.layout import LayoutError, build_layout
-from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.learner.sync import DilocoSync, FragmentSync, NotJoinedError, SyncConfig
 from ddiloco.learner.tree import TreeFragments, tensor_specs
+from ddiloco.net.peer import PeerConfig
 
 TOKEN = "learner-test-token-0123456789"
 
@@ -63,9 +66,9 @@ def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_
     s = threaded_syncer(num_fragments=2, period=2, quorum=1, token=TOKEN)
     try:
         a = {"params": model(1), "target": model(10)}
-        a["sync"] = DilocoSync(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
+        a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
         b = {"params": model(2), "target": model(20)}
-        b["sync"] = DilocoSync(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
+        b["sync"] = DilocoSync.connect(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
         train([a, b], 40)
         state = s.server.state
         assert state.merges >= 5, state.merges
@@ -73,7 +76,7 @@ def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_
         assert a["sync"].merged_versions_applied > 0 and b["sync"].merged_versions_applied > 0
         b["sync"].close()  # b dies
         c = {"params": model(3), "target": model(30)}
-        c["sync"] = DilocoSync(c["params"], SyncConfig(url=s.url, name="c", token=TOKEN))
+        c["sync"] = DilocoSync.connect(c["params"], SyncConfig(url=s.url, name="c", token=TOKEN))
         merges = state.merges
         train([a, c], 40)
         # On a loaded machine c may need more steps to hold every fragment: train on until it is
@@ -96,7 +99,7 @@ def test_wrong_token_is_a_clear_error(threaded_syncer):
     s = threaded_syncer(token=TOKEN)
     try:
         with pytest.raises(Exception, match="refused the token"):
-            DilocoSync(model(0), SyncConfig(url=s.url, name="x", token="wrong-token-0123456789"))
+            DilocoSync.connect(model(0), SyncConfig(url=s.url, name="x", token="wrong-token-0123456789"))
     finally:
         s.stop()
 
@@ -105,3 +108,74 @@ def test_error_feedback_needs_a_lossy_codec():
     with pytest.raises(ValueError, match="lossy codec"):
         SyncConfig(url="ws://127.0.0.1:1/ws", name="x", codec="fp32", error_feedback=True)
     assert SyncConfig(url="ws://127.0.0.1:1/ws", name="x", codec="int4", error_feedback=True).error_feedback
+
+
+def test_the_constructor_touches_no_network_and_the_first_step_joins(threaded_syncer):
+    s = threaded_syncer(num_fragments=2, period=2, quorum=1, token=TOKEN)
+    params = model(1)
+    sync = DilocoSync(params, SyncConfig(url=s.url, name="a", token=TOKEN))
+    try:
+        # nothing started: no client, so the syncer cannot have heard of it
+        assert sync.client is None and not sync.joined and s.read(lambda st: len(st.learners)) == 0
+        with pytest.raises(NotJoinedError, match="join"):
+            _ = sync.layout
+        with pytest.raises(NotJoinedError, match="join"):
+            _ = sync.learner_id
+        params = sync.step(params, tokens=8)  # joins first: waits for the welcome, sends version 0
+        assert sync.joined and sync.step_count == 1 and sync.versions == [0, 0]
+        assert s.wait_for("the learner's initial fragments", lambda st: st.init_source == f"learner {sync.learner_id}")
+        assert sync.join() is sync.welcome  # joining again is a no-op
+    finally:
+        sync.close()
+
+
+def test_join_against_no_syncer_times_out_and_closes_the_hook():
+    sync = DilocoSync(model(0), SyncConfig(url="ws://127.0.0.1:1/ws", name="x", token=TOKEN, welcome_timeout_s=0.5))
+    with pytest.raises(TimeoutError):
+        sync.join()
+    with pytest.raises(RuntimeError, match="closed"):
+        sync.join()
+    sync.close()  # closing twice is fine
+
+
+def test_with_closes_the_client_and_the_peer_server(threaded_syncer):
+    s = threaded_syncer(num_fragments=2, period=2, quorum=1, token=TOKEN)
+    with DilocoSync.connect(model(1), SyncConfig(url=s.url, name="a", token=TOKEN, peer=PeerConfig())) as sync:
+        me, peer_url = sync.learner_id, sync.peer_server.url
+        assert s.wait_for("the learner", lambda st: me in st.learners)
+        assert peer_answers(peer_url)
+    assert s.wait_for("the learner's goodbye", lambda st: me not in st.learners or st.learners[me].status is syncer.LearnerStatus.GONE)
+    assert not peer_answers(peer_url)
+
+
+def peer_answers(url):
+    """Whether a peer server listens at `url` (a request without the token: refused with 401)."""
+    try:
+        urllib.request.urlopen(url, timeout=10)
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 401
+        return True
+    except OSError:
+        return False
+    raise AssertionError("a snapshot was served without the token")
+
+
+def test_fragment_sync_is_a_value():
+    f = FragmentSync()
+    assert (f.version, f.base, f.steps, f.tokens, f.feedback) == (-1, None, 0, 0, None)
+    g = f.counted(5).counted(7)
+    assert (g.steps, g.tokens) == (2, 12) and (f.steps, f.tokens) == (0, 0)  # f itself is unchanged
+    values = np.ones(4, dtype=np.float32)
+    h = g.received(3, values)
+    assert (h.version, h.steps, h.tokens) == (3, 0, 0) and h.base is values
+
+
+def test_a_peer_server_needs_the_hooks_own_snapshot_box():
+    class Outbox:
+        wanted = False
+
+        def publish(self, data):
+            raise AssertionError("never asked")
+
+    with pytest.raises(ValueError, match="SnapshotBox"):
+        DilocoSync(model(0), SyncConfig(url="ws://127.0.0.1:1/ws", name="x", peer=PeerConfig()), snapshots=Outbox())
