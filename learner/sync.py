@@ -32,6 +32,7 @@ import numpy as np
 from ddiloco import kernels
 from ddiloco.core import codec
 from ddiloco.core.layout import Layout, layout_from_description
+from ddiloco.errors import UserError
 from ddiloco.learner import recovery
 from ddiloco.learner.tape import LearnerTapeWriter
 from ddiloco.learner.transport import SnapshotOutbox, Transport
@@ -54,7 +55,7 @@ def check_alpha(alpha: float) -> None:
         raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
 
 
-class NotJoinedError(RuntimeError):
+class NotJoinedError(UserError, RuntimeError):
     """What the syncer's welcome decides (the learner id, the layout) was asked before `join`."""
 
 
