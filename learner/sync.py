@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from ddiloco import kernels
 from ddiloco.core import codec
 from ddiloco.core.layout import layout_from_description
 from ddiloco.learner import recovery
@@ -52,8 +51,8 @@ class SyncConfig:
     snapshot_bytes_max: int = 16 << 30  # the largest peer snapshot accepted
     # Between the steps where a round opens, progress reports at most this often (net.client.ClientConfig).
     progress_interval_s: float = 0.5
-    # Codec kernels on the training thread only, never numba's thread pool (kernels.serial_only):
-    # the cores are the training step's. For the whole process, which a learner normally is.
+    # Codec kernels on the training thread only, never numba's thread pool (each call passes
+    # parallel=False): the cores are the training step's.
     serial_kernels: bool = True
 
     def __post_init__(self) -> None:
@@ -80,8 +79,7 @@ class DilocoSync:
         snapshots: Any = None,
     ):
         self.config = config
-        if config.serial_kernels:
-            kernels.serial_only()
+        self.parallel_kernels = not config.serial_kernels
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
         # `tape` (a learner.tape.LearnerTapeWriter) records what the hook takes from the network;
         # `recover_fn` and `snapshots` are how a replay (learner.replay) stands in for the peers.
@@ -126,7 +124,7 @@ class DilocoSync:
         own weights become global state)."""
         for q in range(self.layout.num_fragments):
             values = self.tree.gather(params, q)
-            payload = codec.encode(values, "fp32")
+            payload = codec.encode(values, "fp32", parallel=self.parallel_kernels)
             if self.tape is not None:
                 self.tape.init(self.calls, q, payload)
             self.client.init(q, payload)
@@ -223,7 +221,7 @@ class DilocoSync:
     def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
         if update.version <= self.versions[q]:
             return params
-        values = update.encoded.decode()
+        values = update.encoded.decode(parallel=self.parallel_kernels)
         params = self.tree.scatter(params, q, values, self.config.alpha)
         self.base[q], self.versions[q] = values, update.version
         self.steps[q], self.tokens[q] = 0, 0
@@ -237,9 +235,10 @@ class DilocoSync:
         delta = self.base[req.fragment] - self.tree.gather(params, req.fragment)
         if self.config.error_feedback:
             state = self.feedback[req.fragment] or codec.feedback_init(delta.size)
-            payload, self.feedback[req.fragment] = codec.encode_with_feedback(delta, state, self.config.codec, self.layout.block)
+            payload, self.feedback[req.fragment] = codec.encode_with_feedback(
+                delta, state, self.config.codec, self.layout.block, parallel=self.parallel_kernels)
         else:
-            payload = codec.encode(delta, self.config.codec, self.layout.block)
+            payload = codec.encode(delta, self.config.codec, self.layout.block, parallel=self.parallel_kernels)
         push = session.PushInfo(req.fragment, req.round, req.base_version, self.steps[req.fragment], self.tokens[req.fragment], payload)
         if self.tape is not None:
             self.tape.push(self.calls, push)
