@@ -14,10 +14,10 @@ the step, an RDA round likewise, and the learner's encode (outer gradient + int4
 apply of an int4 delta in one pass against the numpy-and-kernels path they replace. A round's rows
 count the same compulsory traffic fused or not, so their shares of the ceiling compare directly.
 
-Every kernel of ours is timed before any baseline runs: PyTorch's OpenMP threads keep spinning for a
-while after each of its calls, and on a host with as many cores as threads a kernel timed right after a
-torch baseline shared the cores with them (that, not the kernel, made accumulate_int4 look 8x slower
-than rda_accumulate_int4 on a 16-core host; measured there without torch, the two are within 25%).
+Every kernel of ours is timed before any baseline runs: PyTorch's OpenMP threads may keep spinning for
+a while after each of its calls, and a kernel timed right after a torch baseline would share the cores
+with them. Mind the last-level cache when reading a row: a working set that fits in it (16M elements
+on a host with 300 MiB of L3) streams from cache, and the ceiling then is the cache's.
 
 Run it as `ddiloco bench merge [--elements 64M] [--repeat 5] [--json PATH]`; it sizes itself from the
 host (numba's thread count, printed in the title), so the same command serves 2 cores and 96.
