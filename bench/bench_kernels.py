@@ -35,6 +35,8 @@ def data():
         "scales": scales,
         "offsets": offsets,
         "norms": np.sqrt(kernels.segment_sumsq(x, offsets)),
+        "weights": np.full(4, 0.25),
+        "residual": np.full(ELEMENTS, 0.0, dtype=np.float32),
     }
 
 
@@ -49,6 +51,12 @@ CALLS = {
     "quantize_int4": lambda m, d: m.quantize_int4(d["x"], BLOCK),
     "dequantize_int4": lambda m, d: m.dequantize_int4(d["codes"], d["scales"], BLOCK, out=d["out"]),
     "to_bf16": lambda m, d: m.to_bf16(d["x"]),
+    # a round of 4 int4 contributions (the same payload four times) and its outer step, in one pass
+    "round_mean_step_int4": lambda m, d: m.round_mean_step_int4(
+        d["theta"], d["buf"], d["weights"], [d["codes"]] * 4, [d["scales"]] * 4, 0.7, 0.9, BLOCK
+    ),
+    "quantize_delta_int4": lambda m, d: m.quantize_delta_int4(d["x"], d["theta"], d["residual"], BLOCK),
+    "apply_delta_int4": lambda m, d: m.apply_delta_int4(d["theta"], d["buf"], d["codes"], d["scales"], BLOCK),
 }
 
 

@@ -2,12 +2,25 @@
 
 For each kernel: the best time of `repeat` runs, the compulsory memory traffic it implies (each input
 byte read once, each output byte written once) in GB/s, that rate as a share of the machine's memory
-bandwidth ceiling measured in the same run (an in-place `b += c` over all cores), the speed-up over the
-plain-numpy reference (`vs_numpy` = numpy time / our time) and over equivalent PyTorch CPU code where
-torch is importable. Inputs are allocated and first touched before anything is timed, every kernel is
-compiled first, and slow references run fewer times (at least once) within a time budget.
+bandwidth ceiling measured in the same run (an in-place `b += c` over all of numba's threads), the
+speed-up over the plain-numpy reference (`vs_numpy` = numpy time / our time) and over equivalent
+PyTorch CPU code where torch is importable. Inputs are allocated and first touched before anything is
+timed, every kernel is compiled first, and slow references run fewer times (at least once) within a
+time budget.
 
-Run it as `ddiloco bench merge [--elements 64M] [--repeat 5] [--json PATH]`.
+Rows beyond the single kernels: a whole round of the syncer (M = 2, 4, 8, 16 int4 contributions merged
+by the mean and the outer step taken) fused in one pass against one kernel pass per contribution plus
+the step, an RDA round likewise, and the learner's encode (outer gradient + int4 + error feedback) and
+apply of an int4 delta in one pass against the numpy-and-kernels path they replace. A round's rows
+count the same compulsory traffic fused or not, so their shares of the ceiling compare directly.
+
+Every kernel of ours is timed before any baseline runs: PyTorch's OpenMP threads may keep spinning for
+a while after each of its calls, and a kernel timed right after a torch baseline would share the cores
+with them. Mind the last-level cache when reading a row: a working set that fits in it (16M elements
+on a host with 300 MiB of L3) streams from cache, and the ceiling then is the cache's.
+
+Run it as `ddiloco bench merge [--elements 64M] [--repeat 5] [--json PATH]`; it sizes itself from the
+host (numba's thread count, printed in the title), so the same command serves 2 cores and 96.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -33,6 +47,8 @@ PADDING_ELEMENTS = 100  # zeros after the last tensor, as core pads fragments
 BASELINE_BUDGET_S = 4.0  # a baseline stops repeating once its runs have taken this long
 LEARNING_RATE = 0.7  # the outer optimizer's default (docs/algorithm.md, "Syncer: one round of fragment p", item 6)
 MOMENTUM = 0.9
+ROUND_LEARNERS = (2, 4, 8, 16)  # contributions per round in the fused-merge rows
+RDA_ROUND_LEARNERS = 4
 
 
 @dataclass(frozen=True)
@@ -243,6 +259,101 @@ def _numpy_cases(n: int, rng: np.random.Generator) -> list[_Case]:
         _Case("to_bf16", 6, lambda: k.to_bf16(x, out=u16_out), lambda: r.to_bf16(x, out=u16_out), None),
         _Case("from_bf16", 6, lambda: k.from_bf16(u16, out=out), lambda: r.from_bf16(u16, out=out), None),
         _Case("all_finite", 4, lambda: k.all_finite(x), lambda: r.all_finite(x), None),
+        *_round_cases(n, rng, theta, buf),
+        *_learner_cases(n, rng),
+    ]
+
+
+def _round_cases(n: int, rng: np.random.Generator, theta: np.ndarray, buf: np.ndarray) -> list[_Case]:
+    """A syncer round: M int4 contributions merged and the outer step taken, fused (one pass) and as one
+    accumulate per contribution plus the step (the path before the fused kernels)."""
+    block = kernels.BLOCK_DEFAULT
+    int4_bytes = 1 / 2 + 4 / block
+    k = kernels
+    coded = [k.quantize_int4(rng.standard_normal(n, dtype=np.float32), block) for _ in range(max(ROUND_LEARNERS))]
+    scratch = _zeros(n, np.float32)
+    cases = []
+    for m in ROUND_LEARNERS:
+        weights = np.full(m, 1.0 / m)
+        codes, scales = [c for c, _ in coded[:m]], [s for _, s in coded[:m]]
+        traffic = m * int4_bytes + 16  # every contribution read once; theta and buf read and written
+
+        def per_learner(weights=weights, codes=codes, scales=scales) -> None:
+            scratch.fill(0.0)
+            for w, c, sc in zip(weights, codes, scales):
+                k.accumulate_int4(scratch, w, c, sc, block)
+            k.nesterov_step(theta, buf, scratch, LEARNING_RATE, MOMENTUM)
+
+        def fused(weights=weights, codes=codes, scales=scales) -> None:
+            k.round_mean_step_int4(theta, buf, weights, codes, scales, LEARNING_RATE, MOMENTUM, block)
+
+        def numpy(weights=weights, codes=codes, scales=scales) -> None:
+            reference.round_mean_step_int4(theta, buf, weights, codes, scales, LEARNING_RATE, MOMENTUM, block)
+
+        cases.append(_Case(f"round mean int4 M={m}, fused", traffic, fused, numpy, None))
+        cases.append(_Case(f"round mean int4 M={m}, per learner", traffic, per_learner, None, None))
+    m = RDA_ROUND_LEARNERS
+    weights = np.full(m, 1.0 / m)
+    codes, scales = [c for c, _ in coded[:m]], [s for _, s in coded[:m]]
+    offsets = _synthetic_offsets(n, rng)
+    norms = np.stack([np.sqrt(k.segment_sumsq_int4(c, sc, offsets, block)) for c, sc in zip(codes, scales)])
+    factors = np.full(offsets.size - 1, 0.5, dtype=np.float32)
+    # after the norms (codes only): the unit vectors summed (acc written), the sum's norms (acc read),
+    # the scaled step (acc read, theta and buf read and written)
+    rda_traffic = m * int4_bytes + 4 + 4 + 20
+
+    def rda_fused() -> None:
+        scratch.fill(0.0)
+        k.rda_accumulate_round_int4(scratch, weights, codes, scales, offsets, norms, block)
+        k.segment_sumsq(scratch, offsets)
+        k.nesterov_step_segments(theta, buf, scratch, offsets, factors, LEARNING_RATE, MOMENTUM)
+
+    def rda_per_learner() -> None:
+        scratch.fill(0.0)
+        for i in range(m):
+            k.rda_accumulate_int4(scratch, weights[i], codes[i], scales[i], offsets, norms[i], block)
+        k.segment_sumsq(scratch, offsets)
+        for i in range(offsets.size - 1):
+            scratch[offsets[i] : offsets[i + 1]] *= factors[i]
+        k.nesterov_step(theta, buf, scratch, LEARNING_RATE, MOMENTUM)
+
+    cases.append(_Case(f"round rda int4 M={m}, fused", rda_traffic, rda_fused, None, None))
+    cases.append(_Case(f"round rda int4 M={m}, per learner", rda_traffic, rda_per_learner, None, None))
+    return cases
+
+
+def _learner_cases(n: int, rng: np.random.Generator) -> list[_Case]:
+    """The learner's side: its outer gradient encoded with error feedback, and an arrived int4 delta
+    applied, each one pass (on the pool, as on a learner host with cores to spare), against the path
+    of numpy expressions around the single kernels that the learner hook runs today."""
+    block = kernels.BLOCK_DEFAULT
+    int4_bytes = 1 / 2 + 4 / block
+    k = kernels
+    base = rng.standard_normal(n, dtype=np.float32)
+    theta = base - rng.standard_normal(n, dtype=np.float32) * np.float32(0.01)
+    residual = rng.standard_normal(n, dtype=np.float32) * np.float32(0.001)
+    codes, scales = k.quantize_int4(base - theta, block)
+    theta2, base2 = theta.copy(), base.copy()
+
+    def encode_composed() -> None:
+        target = (base - theta) + residual
+        c, sc = k.quantize_int4(target, block)
+        _ = target - k.dequantize_int4(c, sc, block)
+
+    def apply_composed() -> None:
+        d = k.dequantize_int4(codes, scales, block)
+        np.add(theta2, d, out=theta2)
+        np.add(base2, d, out=base2)
+
+    return [
+        # base, theta and residual read; codes, scales and the new residual written
+        _Case("learner encode int4 + feedback", 12 + int4_bytes + 4,
+              lambda: k.quantize_delta_int4(base, theta, residual, block), encode_composed, None),
+        _Case("learner encode, serial", 12 + int4_bytes + 4,
+              lambda: k.quantize_delta_int4(base, theta, residual, block, parallel=False), None, None),
+        # the delta read; theta and base read and written
+        _Case("learner apply int4 delta", int4_bytes + 16,
+              lambda: k.apply_delta_int4(theta2, base2, codes, scales, block), apply_composed, None),
     ]
 
 
@@ -319,20 +430,25 @@ def run_merge_bench(config: MergeBenchConfig, progress: Callable[[str], None] | 
     # The ceiling is measured before and after the kernels and the better figure kept, so that a
     # quiet moment on a shared machine raises the bar rather than flattering the kernels.
     ceiling = _measure_ceiling(n, config.repeat, rng)
-    timings = []
+    ours = {}
     for case in cases:
         if progress:
             progress(case.name)
         case.ours()  # first call outside the timing (caches, lazily built plans)
-        seconds = _best_seconds(case.ours, config.repeat)
+        ours[case.name] = _best_seconds(case.ours, config.repeat)
+    ceiling = max(ceiling, _measure_ceiling(n, config.repeat, rng))
+    # The baselines only after every kernel of ours (see the module docstring: torch's spinning threads).
+    timings = []
+    for case in cases:
+        if progress and (case.numpy or case.torch):
+            progress(f"{case.name} (baselines)")
         numpy_s = _best_seconds(case.numpy, config.repeat, config.baseline_budget_s) if case.numpy else None
         torch_s = None
         if case.torch is not None:
             case.torch()
             torch_s = _best_seconds(case.torch, config.repeat, config.baseline_budget_s)
         traffic = int(round(case.bytes_per_element * n))
-        timings.append((case.name, traffic, seconds, numpy_s, torch_s))
-    ceiling = max(ceiling, _measure_ceiling(n, config.repeat, rng))
+        timings.append((case.name, traffic, ours[case.name], numpy_s, torch_s))
     ceiling_row = KernelTiming(
         "ceiling (b += c)", n, CEILING_BYTES_PER_ELEMENT * n, CEILING_BYTES_PER_ELEMENT * n / ceiling / 1e9,
         ceiling, ceiling, None, None,
@@ -369,7 +485,7 @@ def format_table(timings: list[KernelTiming], config: MergeBenchConfig) -> str:
     n = config.aligned_elements
     title = (
         f"merge kernels: {n} float32 elements ({n * 4 / 2**20:.0f} MiB), best of {config.repeat}, "
-        f"block {kernels.BLOCK_DEFAULT}; GB/s of compulsory traffic"
+        f"block {kernels.BLOCK_DEFAULT}, {numba.get_num_threads()} threads; GB/s of compulsory traffic"
     )
     return "\n".join([title, line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
 

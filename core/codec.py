@@ -103,62 +103,67 @@ class Encoded:
     data: np.ndarray  # float32[n] | uint16[n] | uint8[n/2|n/4|n/8]
     scales: np.ndarray | None  # float32[n/block] for block codecs
 
-    def decode(self) -> np.ndarray:
-        """The fp32 vector (materialised; the merge path avoids this for int4)."""
+    def decode(self, *, parallel: bool = True) -> np.ndarray:
+        """The fp32 vector (materialised; the merge path avoids this for int4). `parallel=False` keeps
+        every kernel of this and the methods below on the calling thread (same bits)."""
         if self.codec is Codec.FP32:
             return self.data.copy()
         if self.codec is Codec.BF16:
-            return kernels.from_bf16(self.data)
-        return _DEQUANTIZE[self.codec](self.data, self.scales, self.block)
+            return kernels.from_bf16(self.data, parallel=parallel)
+        return _DEQUANTIZE[self.codec](self.data, self.scales, self.block, parallel=parallel)
 
-    def accumulate_into(self, acc: np.ndarray, weight: float) -> None:
+    def accumulate_into(self, acc: np.ndarray, weight: float, *, parallel: bool = True) -> None:
         """acc += weight * decode(self), fused for every codec but bf16."""
         if self.codec is Codec.FP32:
-            kernels.accumulate(acc, weight, self.data)
+            kernels.accumulate(acc, weight, self.data, parallel=parallel)
         elif self.codec is Codec.BF16:
-            kernels.accumulate(acc, weight, kernels.from_bf16(self.data))
+            kernels.accumulate(acc, weight, kernels.from_bf16(self.data, parallel=parallel), parallel=parallel)
         else:
-            _ACCUMULATE[self.codec](acc, weight, self.data, self.scales, self.block)
+            _ACCUMULATE[self.codec](acc, weight, self.data, self.scales, self.block, parallel=parallel)
 
-    def segment_sumsq(self, offsets: np.ndarray) -> np.ndarray:
+    def segment_sumsq(self, offsets: np.ndarray, *, parallel: bool = True) -> np.ndarray:
         """float64[k] sums of squares of each tensor (the squared norms RDA needs)."""
         if self.codec is Codec.FP32:
-            return kernels.segment_sumsq(self.data, offsets)
+            return kernels.segment_sumsq(self.data, offsets, parallel=parallel)
         if self.codec is Codec.INT4:
-            return kernels.segment_sumsq_int4(self.data, self.scales, offsets, self.block)
-        return kernels.segment_sumsq(self.decode(), offsets)
+            return kernels.segment_sumsq_int4(self.data, self.scales, offsets, self.block, parallel=parallel)
+        return kernels.segment_sumsq(self.decode(parallel=parallel), offsets, parallel=parallel)
 
-    def rda_accumulate_into(self, acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray) -> None:
+    def rda_accumulate_into(self, acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray, *,
+                            parallel: bool = True) -> None:
         """acc[seg] += weight * x[seg] / norms[seg] (nothing where the norm is 0)."""
         if self.codec is Codec.FP32:
-            kernels.rda_accumulate(acc, weight, self.data, offsets, norms)
+            kernels.rda_accumulate(acc, weight, self.data, offsets, norms, parallel=parallel)
         elif self.codec is Codec.INT4:
-            kernels.rda_accumulate_int4(acc, weight, self.data, self.scales, offsets, norms, self.block)
+            kernels.rda_accumulate_int4(acc, weight, self.data, self.scales, offsets, norms, self.block,
+                                        parallel=parallel)
         else:
-            kernels.rda_accumulate(acc, weight, self.decode(), offsets, norms)
+            kernels.rda_accumulate(acc, weight, self.decode(parallel=parallel), offsets, norms, parallel=parallel)
 
-    def all_finite(self) -> bool:
+    def all_finite(self, *, parallel: bool = True) -> bool:
         """Whether every decoded value is finite, checked without materialising block codecs: codes are
         bounded, so a block codec is finite exactly when its scales are."""
         if self.scales is not None:
-            return kernels.all_finite(self.scales)
-        values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data)
-        return kernels.all_finite(values)
+            return kernels.all_finite(self.scales, parallel=parallel)
+        values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data, parallel=parallel)
+        return kernels.all_finite(values, parallel=parallel)
 
 
-def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT) -> bytes:
-    """Header + body for the float32 vector `x`. Raises CodecError on NaN/Inf or a bad length."""
+def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT, *, parallel: bool = True) -> bytes:
+    """Header + body for the float32 vector `x`. Raises CodecError on NaN/Inf or a bad length.
+    `parallel=False` keeps the kernels on the calling thread (a learner's training step holds the
+    cores); the bytes are the same either way."""
     codec = parse_codec(codec)
     x = _check_vector(x)
-    if not kernels.all_finite(x):
+    if not kernels.all_finite(x, parallel=parallel):
         raise CodecError("cannot encode a vector with NaN or Inf values")
     n = x.size
     if codec.is_block:
         _check_block(codec, block, n)
-        codes, scales = _QUANTIZE[codec](x, block)
+        codes, scales = _QUANTIZE[codec](x, block, parallel=parallel)
         body = [scales.tobytes(), codes.tobytes()]
     elif codec is Codec.BF16:
-        body, block = [kernels.to_bf16(x).tobytes()], 0
+        body, block = [kernels.to_bf16(x, parallel=parallel).tobytes()], 0
     else:
         body, block = [x.tobytes()], 0
     size = sum(len(b) for b in body)
@@ -231,15 +236,44 @@ def feedback_init(elements: int) -> FeedbackState:
 
 
 def encode_with_feedback(
-    x: np.ndarray, state: FeedbackState, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT
+    x: np.ndarray, state: FeedbackState, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT, *,
+    parallel: bool = True,
 ) -> tuple[bytes, FeedbackState]:
     """Encode x + residual; the new residual is what that encoding lost."""
     x = _check_vector(x)
     if state.residual.shape != x.shape:
         raise CodecError(f"feedback residual has shape {state.residual.shape}, vector {x.shape}")
     target = x + state.residual
-    payload = encode(target, codec, block)
-    return payload, FeedbackState(residual=target - parse(payload).decode())
+    payload = encode(target, codec, block, parallel=parallel)
+    return payload, FeedbackState(residual=target - parse(payload).decode(parallel=parallel))
+
+
+def encode_delta(
+    base: np.ndarray, theta: np.ndarray, state: FeedbackState | None, codec: Codec | str,
+    block: int = kernels.BLOCK_DEFAULT, *, parallel: bool = True,
+) -> tuple[bytes, FeedbackState | None]:
+    """A learner's outer gradient base - theta encoded, with error feedback when `state` is given: the
+    same bytes and residual as `encode_with_feedback(base - theta, state, ...)` (or `encode`), and for
+    int4 in one pass over the fragment (kernels.quantize_delta_int4) instead of four."""
+    codec = parse_codec(codec)
+    base, theta = _check_vector(base), _check_vector(theta)
+    if base.shape != theta.shape:
+        raise CodecError(f"base has shape {base.shape}, theta {theta.shape}")
+    if codec is not Codec.INT4:
+        if state is None:
+            return encode(base - theta, codec, block, parallel=parallel), None
+        return encode_with_feedback(base - theta, state, codec, block, parallel=parallel)
+    if state is not None and state.residual.shape != base.shape:
+        raise CodecError(f"feedback residual has shape {state.residual.shape}, vector {base.shape}")
+    _check_block(codec, block, base.size)
+    try:
+        codes, scales, residual = kernels.quantize_delta_int4(
+            base, theta, None if state is None else state.residual, block, parallel=parallel
+        )
+    except kernels.KernelInputError:
+        raise CodecError("cannot encode a vector with NaN or Inf values") from None
+    payload = b"".join([header(codec, block, base.size), scales.tobytes(), codes.tobytes()])
+    return payload, None if state is None else FeedbackState(residual=residual)
 
 
 def warm_up(codecs: Iterable[Codec | str], block: int = kernels.BLOCK_DEFAULT) -> None:
@@ -249,7 +283,10 @@ def warm_up(codecs: Iterable[Codec | str], block: int = kernels.BLOCK_DEFAULT) -
     network thread until the syncer drops it as a reader that stopped reading."""
     for c in {parse_codec(c) for c in codecs} | {Codec.BF16}:
         for n in kernels.warmup_sizes(block):
-            parse(encode(np.linspace(-1.0, 1.0, n, dtype=np.float32), c, block)).decode()
+            x = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+            parse(encode(x, c, block)).decode()
+            encode_delta(x, x[::-1].copy(), None, c, block)
+            encode_delta(x, x[::-1].copy(), feedback_init(n), c, block)
 
 
 def _check_vector(x: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ddiloco import kernels
+from ddiloco.core.merge import MergedGradient
 from ddiloco.errors import UserError
 
 
@@ -47,12 +48,19 @@ def init(theta: np.ndarray) -> NesterovState:
 
 
 def update(
-    state: NesterovState, theta: np.ndarray, delta: np.ndarray, config: OuterConfig, *, donate: bool = False
+    state: NesterovState, theta: np.ndarray, delta: np.ndarray | MergedGradient, config: OuterConfig, *,
+    donate: bool = False,
 ) -> tuple[np.ndarray, NesterovState]:
-    """(new Theta, new state) after one outer step with merged outer gradient `delta`."""
-    if not (theta.shape == delta.shape == state.buf.shape):
-        raise ValueError(f"shapes differ: theta {theta.shape}, delta {delta.shape}, buf {state.buf.shape}")
+    """(new Theta, new state) after one outer step with merged outer gradient `delta`: an array, or a
+    round's MergedGradient (core.merge.merge_round), whose remaining merge work is fused into the step
+    (the same bits as stepping with its values())."""
+    delta_shape = (delta.size,) if isinstance(delta, MergedGradient) else delta.shape
+    if not (theta.shape == delta_shape == state.buf.shape):
+        raise ValueError(f"shapes differ: theta {theta.shape}, delta {delta_shape}, buf {state.buf.shape}")
     new_theta = theta if donate else theta.copy()
     new_buf = state.buf if donate else state.buf.copy()
-    kernels.nesterov_step(new_theta, new_buf, delta, config.lr, config.momentum)
+    if isinstance(delta, MergedGradient):
+        delta.nesterov_step(new_theta, new_buf, config.lr, config.momentum)
+    else:
+        kernels.nesterov_step(new_theta, new_buf, delta, config.lr, config.momentum)
     return new_theta, NesterovState(buf=new_buf)

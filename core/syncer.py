@@ -52,7 +52,7 @@ from ddiloco.core.events import (
 from ddiloco.core.grace import Timing, grace_seconds, observe
 from ddiloco.core.layout import Layout, LayoutError, build_layout
 from ddiloco.core.ledger import Ledger
-from ddiloco.core.merge import Contribution, merge
+from ddiloco.core.merge import Contribution, merge_round
 from ddiloco.core.schedule import Schedule
 from ddiloco.core.weights import token_weight
 
@@ -463,7 +463,7 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
         _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{state.config.quorum} ({why})", out)
         return
     spec = state.layout.fragments[p]
-    delta, info = merge(positive, spec, state.config.merge)
+    delta, info = merge_round(positive, spec, state.config.merge)
     frag.theta, frag.momentum = outer.update(frag.momentum, frag.theta, delta, state.config.outer, donate=True)
     for m, push in rnd.pushes.items():
         _book_push(state, m, p, push.tokens, "merged" if push.weight > 0 else "late")

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from ddiloco.kernels import _checks
-from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, slice_bounds, use_parallel
+from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, thread_bounds
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
@@ -52,27 +52,29 @@ def _from_bf16_parallel(u, outbits, bounds):
         _from_bf16_serial(u[a:b], outbits[a:b])
 
 
-def to_bf16(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+def to_bf16(x: np.ndarray, *, out: np.ndarray | None = None, parallel: bool = True) -> np.ndarray:
     """uint16[n] bfloat16 bit patterns of float32[n] `x` (round to nearest even; NaN stays NaN)."""
     x = _checks.vector("x", x, np.float32)
     out = _checks.out_vector(out, np.uint16, x.size)
     _checks.disjoint(out=out, x=x)
     xbits = x.view(np.uint32)
-    if use_parallel(x.size):
-        _to_bf16_parallel(xbits, out, slice_bounds(x.size, CHUNK_ELEMENTS))
-    else:
+    bounds = thread_bounds(x.size, CHUNK_ELEMENTS, parallel)
+    if bounds is None:
         _to_bf16_serial(xbits, out)
+    else:
+        _to_bf16_parallel(xbits, out, bounds)
     return out
 
 
-def from_bf16(u: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+def from_bf16(u: np.ndarray, *, out: np.ndarray | None = None, parallel: bool = True) -> np.ndarray:
     """float32[n] from uint16[n] bfloat16 bit patterns (exact: every bfloat16 is a float32)."""
     u = _checks.vector("u", u, np.uint16)
     out = _checks.out_vector(out, np.float32, u.size)
     _checks.disjoint(out=out, u=u)
     outbits = out.view(np.uint32)
-    if use_parallel(u.size):
-        _from_bf16_parallel(u, outbits, slice_bounds(u.size, CHUNK_ELEMENTS))
-    else:
+    bounds = thread_bounds(u.size, CHUNK_ELEMENTS, parallel)
+    if bounds is None:
         _from_bf16_serial(u, outbits)
+    else:
+        _from_bf16_parallel(u, outbits, bounds)
     return out

@@ -41,6 +41,21 @@ def vector(name: str, a: object, dtype: np.dtype | type, *, writeable: bool = Fa
     return view
 
 
+def matrix(name: str, a: object, dtype: type, shape: tuple[int, int]) -> np.ndarray:
+    """A C-contiguous 2-D array of exactly `dtype` and `shape`, as a read-only view."""
+    if not isinstance(a, np.ndarray):
+        raise KernelInputError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.shape != shape:
+        raise KernelInputError(f"{name} must have shape {shape}, got {a.shape}")
+    if a.dtype != np.dtype(dtype):
+        raise KernelInputError(f"{name} must have dtype {np.dtype(dtype)}, got {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise KernelInputError(f"{name} must be C-contiguous (got a strided view)")
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def length(name: str, a: np.ndarray, expected: int) -> None:
     if a.size != expected:
         raise KernelInputError(f"{name} must have {expected} elements, got {a.size}")
@@ -118,6 +133,24 @@ def offsets(name: str, o: object, n: int) -> tuple[int, np.ndarray]:
     return o.size - 1, o
 
 
+def sequence(name: str, items: object, count: int) -> list:
+    """A list or tuple of `count` items (one per contribution), as a new list."""
+    if not isinstance(items, (list, tuple)):
+        raise KernelInputError(f"{name} must be a list or tuple of arrays, got {type(items).__name__}")
+    if len(items) != count:
+        raise KernelInputError(f"{name} must hold {count} arrays (one per weight), got {len(items)}")
+    return list(items)
+
+
+def weights(w: object) -> np.ndarray:
+    """A round's contribution weights: float64[m], m >= 1, finite and non-negative (read-only view)."""
+    w = vector("weights", w, np.float64)
+    if w.size < 1:
+        raise KernelInputError("weights must hold at least one contribution")
+    non_negative_finite("weights", w, FLOAT32_MAX)
+    return w
+
+
 def out_vector(out: object, dtype: np.dtype | type, elements: int) -> np.ndarray:
     """A caller's output buffer, or a fresh one when `out` is None."""
     if out is None:
@@ -133,5 +166,15 @@ def disjoint(**arrays: np.ndarray) -> None:
     items = list(arrays.items())
     for i, (name_a, a) in enumerate(items):
         for name_b, b in items[i + 1 :]:
+            if np.may_share_memory(a, b):
+                raise KernelInputError(f"{name_a} and {name_b} must not share memory")
+
+
+def written_apart(written: dict[str, np.ndarray], read: dict[str, np.ndarray]) -> None:
+    """`disjoint` for kernels with many inputs: every array written must not overlap any other
+    argument; the inputs, only read, may share memory with each other (one payload sent twice)."""
+    items = list(written.items())
+    for i, (name_a, a) in enumerate(items):
+        for name_b, b in items[i + 1 :] + list(read.items()):
             if np.may_share_memory(a, b):
                 raise KernelInputError(f"{name_a} and {name_b} must not share memory")

@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from ddiloco.kernels import _checks
-from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, slice_bounds, use_parallel
+from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, thread_bounds
 
 
 @njit(nogil=True, cache=True)
@@ -37,7 +37,8 @@ def _nesterov_parallel(theta, buf, g, lr, mu, bounds):
         _nesterov_serial(theta[a:b], buf[a:b], g[a:b], lr, mu)
 
 
-def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, mu: float) -> None:
+def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, mu: float, *,
+                  parallel: bool = True) -> None:
     """One outer step in place on float32[n] `theta` and momentum `buf`, with outer gradient `g`."""
     _checks.vector("theta", theta, np.float32, writeable=True)
     _checks.vector("buf", buf, np.float32, writeable=True)
@@ -48,7 +49,8 @@ def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, 
     mu = _checks.finite_scalar("mu", mu)
     _checks.disjoint(theta=theta, buf=buf, g=g)
     lr32, mu32 = np.float32(lr), np.float32(mu)
-    if use_parallel(theta.size):
-        _nesterov_parallel(theta, buf, g, lr32, mu32, slice_bounds(theta.size, CHUNK_ELEMENTS))
-    else:
+    bounds = thread_bounds(theta.size, CHUNK_ELEMENTS, parallel)
+    if bounds is None:
         _nesterov_serial(theta, buf, g, lr32, mu32)
+    else:
+        _nesterov_parallel(theta, buf, g, lr32, mu32, bounds)

@@ -1,12 +1,33 @@
-"""Where a kernel runs: how a vector is cut into slices and whether the thread pool may be used.
+"""Where a kernel runs: on the calling thread, or cut into slices over numba's thread pool.
 
-Every kernel cuts its vector into at most SLICES_MAX contiguous slices, each a multiple of an
-alignment unit (a codec block, or a cache-friendly chunk), and runs a serial loop per slice under
-`prange`. Measured on 2 cores that beats `prange` over blocks 2-4x: each slice is one tight,
-vectorised loop and the pool is woken once. The cut depends only on the length, never on the
-number of threads, so every result, reductions included, is the same bits whatever the thread
-count or driver (serial or parallel). Sums vectorised with reassociation (segment_sumsq) may still
-differ in their last bits between CPU instruction sets, since the vector width sets the order.
+Every wrapper takes `parallel: bool = True`. The caller decides, per call, whether the pool may be
+used: a learner's codec work runs beside its training step, whose XLA threads hold the cores, and
+a pool woken beside them waits for its share (measured in `ddiloco bench learner`'s loop: quantising
+a 109k-element fragment took 1.5 ms with the pool, 0.3 ms on one thread). There is no process-wide
+switch: two callers in one process (a test, an in-process experiment) never see each other's choice.
+
+How a vector is cut, and why it holds from 2 to many cores:
+
+- Elementwise kernels (every kernel but the sums of squares) cut the vector into one slice per
+  thread numba has (`numba.get_num_threads()`, read at each call), each slice a multiple of an
+  alignment unit (a codec block, or CHUNK_ELEMENTS) and at least SLICE_ELEMENTS_MIN long. numba's
+  `prange` hands each thread one contiguous run of iterations, so one slice per thread is one tight,
+  vectorised loop per thread and a single wake-up of the pool; more slices than threads only add
+  loop overhead, fewer leave cores idle (a fixed cut of 64 slices, as before, would leave most of a
+  96-core host idle). A kernel's result does not depend on the cut: each element is computed alone.
+- The parallel threshold is PARALLEL_ELEMENTS_MIN whatever the thread count: it is where one
+  thread's loop (tens of microseconds) outgrows the pool's wake-up, a fixed cost per call.
+- Reductions (segment_sumsq*) keep a cut that depends on the length only (REDUCTION_SLICES_MAX
+  slices), so their float sums, and the merges built on them, are the same bits on every host and
+  thread count; a replay reproduces a merge exactly. They use at most that many threads.
+- A round's fused merge works through each thread's slice in tiles of TILE_ELEMENTS: a tile's partial
+  sums stay in cache while every contribution is added to them, so each contribution's bytes are read
+  once and the accumulator never goes to memory. The contributions reach the loop as numba typed lists,
+  fetched once per tile (a list item is reference-counted: fetched per block, 16 threads would contend
+  for one counter).
+
+Sums vectorised with reassociation (segment_sumsq) may still differ in their last bits between CPU
+instruction sets, since the vector width sets the order.
 """
 
 from __future__ import annotations
@@ -14,14 +35,22 @@ from __future__ import annotations
 import functools
 import os
 
+import numba
 import numpy as np
 
-SLICES_MAX = 64
+# Slices of the reductions' fixed cut: threads beyond this many sit out a sum of squares.
+REDUCTION_SLICES_MAX = 64
 # Below this many elements one thread finishes before the pool would have woken up.
 PARALLEL_ELEMENTS_MIN = 1 << 16
-# Slice boundaries of unblocked kernels fall on multiples of this (64 KiB of float32): whole cache
-# lines and whole vector registers at every boundary.
+# Unblocked kernels cut at multiples of this (64 KiB of float32): whole cache lines and whole
+# vector registers at every boundary.
 CHUNK_ELEMENTS = 1 << 14
+# The shortest slice worth a thread of its own: tens of microseconds of work, well above the cost of
+# handing it out.
+SLICE_ELEMENTS_MIN = 1 << 14
+# A fused round's working set per thread: 64 KiB of float32 partial sums, which stay in the core's
+# cache while every contribution's bytes stream past.
+TILE_ELEMENTS = 1 << 14
 
 _forked_child = False
 
@@ -45,23 +74,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked_child)
 
 
-_serial_only = False
+def use_parallel(elements: int, parallel: bool = True) -> bool:
+    """Whether a kernel over `elements` values runs its parallel driver: the caller allows it, the
+    vector is long enough, there is more than one thread, and the pool can run in this process."""
+    return bool(parallel) and elements >= PARALLEL_ELEMENTS_MIN and not _forked_child and numba.get_num_threads() > 1
 
 
-def serial_only(on: bool = True) -> None:
-    """Run every kernel of this process on its calling thread (`on`), or let large vectors use
-    the thread pool again. For a process whose cores belong to something else, a learner's
-    training step: its XLA threads hold the cores, and a pool woken beside them waits for its
-    share. Measured in `ddiloco bench learner`'s loop, quantising a 109k-element fragment took
-    1.5 ms with the pool and 0.3 ms on one thread (0.1 ms on idle cores). Results are the same
-    bits either way (the cut does not depend on the driver)."""
-    global _serial_only
-    _serial_only = bool(on)
+def thread_bounds(elements: int, unit: int, parallel: bool = True) -> np.ndarray | None:
+    """The cut of an elementwise kernel: int64 bounds of one slice per thread (at most, each a
+    multiple of `unit` and about SLICE_ELEMENTS_MIN or more), or None to run on the calling thread."""
+    if not use_parallel(elements, parallel):
+        return None
+    slices = min(numba.get_num_threads(), max(1, elements // max(unit, SLICE_ELEMENTS_MIN)))
+    return slice_bounds(elements, unit, slices)
 
 
-def use_parallel(elements: int) -> bool:
-    """Whether a kernel over `elements` values should run its parallel driver."""
-    return elements >= PARALLEL_ELEMENTS_MIN and not _forked_child and not _serial_only
+def tile_elements(block: int) -> int:
+    """TILE_ELEMENTS rounded down to whole blocks (one block at least)."""
+    return max(block, TILE_ELEMENTS // block * block)
+
+
+def typed_list(arrays: list[np.ndarray]) -> numba.typed.List:
+    """The arrays as a numba typed list, the container a fused round's kernel takes (all of one type;
+    the wrappers pass read-only views, so every list has the type that warmup() compiles)."""
+    return numba.typed.List(arrays)  # one bulk call: 20 us for four arrays, against 60 us appending each
 
 
 @functools.lru_cache(maxsize=512)
@@ -75,7 +111,7 @@ def _bounds_cached(elements: int, unit: int, slices_max: int) -> np.ndarray:
     return bounds
 
 
-def slice_bounds(elements: int, unit: int, slices_max: int = SLICES_MAX) -> np.ndarray:
+def slice_bounds(elements: int, unit: int, slices_max: int = REDUCTION_SLICES_MAX) -> np.ndarray:
     """int64[s+1] element boundaries: 0, then multiples of `unit`, then `elements`.
 
     s = min(slices_max, ceil(elements / unit)) non-empty slices whose unit counts differ by at most

@@ -6,20 +6,29 @@ A fragment is a flat concatenation of tensors, described by int64 offsets[k+1]: 
 x[offsets[i]:offsets[i+1]]; offsets[-1] may stop short of the vector's end (zero padding that belongs
 to no tensor and is neither summed nor written).
 
-The vector up to offsets[-1] is cut into the usual slices (see _parallelism) regardless of where the
-tensors fall, so one huge embedding and many small norms spread over all cores alike. A slice meets a
-run of consecutive segments; each (slice, segment) overlap is a "piece". For the sums of squares every
-piece gets its own partial sum, and the partials are added per segment in slice order afterwards: no
-two threads write the same number, and the result depends only on the layout, never on the threads.
+The vector up to offsets[-1] is cut into slices (see _parallelism) regardless of where the tensors
+fall, so one huge embedding and many small norms spread over all cores alike. A slice meets a run of
+consecutive segments; each (slice, segment) overlap is a "piece". For the sums of squares the cut
+depends on the length only, every piece gets its own partial sum, and the partials are added per
+segment in slice order afterwards: no two threads write the same number, and the result depends only
+on the layout, never on the threads. The accumulates are elementwise and take one slice per thread.
+
+A round's RDA merge runs in three passes here (the per-contribution norms come first): the per-tensor
+norms of each contribution (segment_sumsq*), every contribution's unit vector accumulated in one pass
+(rda_accumulate_round*), and, once the merged direction's norms are known, the per-tensor scaling fused
+into the outer step (nesterov_step_segments).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 from numba import njit, prange
 
 from ddiloco.kernels import _checks
-from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, slice_bounds, use_parallel
+from ddiloco.kernels._errors import KernelInputError
+from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, slice_bounds, thread_bounds, tile_elements, typed_list, use_parallel
 
 _CODE_OFFSET = 8  # int4 nibbles hold code + 8, see _int4
 
@@ -187,12 +196,6 @@ def _rda_parallel(acc, weight, x, offsets, norms, bounds, end, seg_first):
 
 
 @njit(nogil=True, cache=True)
-def _rda_sequential(acc, weight, x, offsets, norms, bounds, end, seg_first):
-    for s in range(bounds.size - 1):
-        _rda_slice(acc, weight, x, offsets, norms, bounds[s], min(bounds[s + 1], end), seg_first[s])
-
-
-@njit(nogil=True, cache=True)
 def _rda_int4_piece(acc, factor, c, lo, hi, half):
     # acc: f32[block] one block of the accumulator, c: u8[half] its codes; elements [lo, hi)
     for e in range(lo, min(hi, half)):
@@ -252,13 +255,69 @@ def _rda_int4_parallel(acc, weight, codes, scales, offsets, norms, block, bounds
         _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, bounds[s], min(bounds[s + 1], end), seg_first[s])
 
 
+# ---- a round's RDA: every contribution accumulated in one pass, the scaling fused into the outer step ----
+
+
 @njit(nogil=True, cache=True)
-def _rda_int4_sequential(acc, weight, codes, scales, offsets, norms, block, bounds, end, seg_first):
-    for s in range(bounds.size - 1):
-        _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, bounds[s], min(bounds[s + 1], end), seg_first[s])
+def _rda_round_range(acc, weights, xs, codes, scales, offsets, norms, block, int4, lo, hi, tile):
+    # Elements [lo, hi) (hi <= offsets[-1]) tile by tile; within a tile every contribution in learner
+    # order, exactly the additions of one rda_accumulate* call per contribution. The tile of `acc` stays
+    # in cache while the contributions stream past. int4: codes/scales are used, else xs.
+    for t0 in range(lo, hi, tile):
+        t1 = min(t0 + tile, hi)
+        seg = np.searchsorted(offsets, t0, side="right") - 1
+        for m in range(weights.size):
+            if int4:
+                _rda_int4_slice(acc, weights[m], codes[m], scales[m], offsets, norms[m], block, t0, t1, seg)
+            else:
+                _rda_slice(acc, weights[m], xs[m], offsets, norms[m], t0, t1, seg)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _rda_round_parallel(acc, weights, xs, codes, scales, offsets, norms, block, int4, end, tile, bounds):
+    for s in prange(bounds.size - 1):
+        _rda_round_range(acc, weights, xs, codes, scales, offsets, norms, block, int4, bounds[s],
+                         min(bounds[s + 1], end), tile)
+
+
+@njit(nogil=True, cache=True)
+def _nesterov_scaled(theta, buf, g, factor, lr, mu):
+    # the outer step of _nesterov with outer gradient g * factor (float32 product, as `g *= factor`)
+    for i in range(theta.size):
+        gi = g[i] * factor
+        b = mu * buf[i] + gi
+        buf[i] = b
+        theta[i] -= lr * (gi + mu * b)
+
+
+@njit(nogil=True, cache=True)
+def _nesterov_segments_range(theta, buf, g, offsets, factors, lr, mu, lo, hi):
+    # elements [lo, hi): each tensor's piece with its factor, the padding past offsets[-1] unscaled
+    end = offsets[-1]
+    pos = lo
+    if pos < end:
+        seg = np.searchsorted(offsets, pos, side="right") - 1
+        while pos < min(hi, end):
+            stop = min(offsets[seg + 1], hi)
+            _nesterov_scaled(theta[pos:stop], buf[pos:stop], g[pos:stop], factors[seg], lr, mu)
+            pos = stop
+            seg += 1
+    if pos < hi:
+        _nesterov_scaled(theta[pos:hi], buf[pos:hi], g[pos:hi], np.float32(1.0), lr, mu)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _nesterov_segments_parallel(theta, buf, g, offsets, factors, lr, mu, bounds):
+    for s in prange(bounds.size - 1):
+        _nesterov_segments_range(theta, buf, g, offsets, factors, lr, mu, bounds[s], bounds[s + 1])
 
 
 # ---- public wrappers ----
+
+
+def _first_segment(offsets: np.ndarray) -> int:
+    """The segment element 0 belongs to, skipping empty segments at offset 0."""
+    return int(np.searchsorted(offsets, 0, side="right")) - 1
 
 
 def _reduce(partial: np.ndarray, piece_segment: np.ndarray, segments: int) -> np.ndarray:
@@ -267,7 +326,7 @@ def _reduce(partial: np.ndarray, piece_segment: np.ndarray, segments: int) -> np
     return out
 
 
-def segment_sumsq(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+def segment_sumsq(x: np.ndarray, offsets: np.ndarray, *, parallel: bool = True) -> np.ndarray:
     """float64[k]: sum of squares of each tensor x[offsets[i]:offsets[i+1]], accumulated in float64."""
     x = _checks.vector("x", x, np.float32)
     segments, offsets = _checks.offsets("offsets", offsets, x.size)
@@ -277,13 +336,14 @@ def segment_sumsq(x: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     bounds = slice_bounds(end, CHUNK_ELEMENTS)
     seg_first, piece_start, piece_segment = _piece_plan(offsets, bounds, end)
     partial = np.zeros(piece_start[-1], dtype=np.float64)
-    run = _sumsq_parallel if use_parallel(end) else _sumsq_sequential
+    run = _sumsq_parallel if use_parallel(end, parallel) else _sumsq_sequential
     run(x, offsets, bounds, end, seg_first, piece_start, partial)
     return _reduce(partial, piece_segment, segments)
 
 
 def segment_sumsq_int4(
-    codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int = _checks.BLOCK_DEFAULT
+    codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int = _checks.BLOCK_DEFAULT, *,
+    parallel: bool = True,
 ) -> np.ndarray:
     """segment_sumsq of the int4-coded vector, from the codes (never materialised).
 
@@ -297,7 +357,7 @@ def segment_sumsq_int4(
     bounds = slice_bounds(end, block)
     seg_first, piece_start, piece_segment = _piece_plan(offsets, bounds, end)
     partial = np.zeros(piece_start[-1], dtype=np.float64)
-    run = _sumsq_int4_parallel if use_parallel(end) else _sumsq_int4_sequential
+    run = _sumsq_int4_parallel if use_parallel(end, parallel) else _sumsq_int4_sequential
     run(codes, scales, offsets, block, bounds, end, seg_first, piece_start, partial)
     return _reduce(partial, piece_segment, segments)
 
@@ -314,7 +374,8 @@ def _check_rda(
     return weight, int(offsets[-1]), offsets, norms
 
 
-def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray) -> None:
+def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray, *,
+                   parallel: bool = True) -> None:
     """For each tensor i: acc[seg] += weight * x[seg] / norms[i], nothing where norms[i] == 0.
 
     The factor weight / norms[i] and its product with x are float64; each term is rounded to float32
@@ -325,10 +386,11 @@ def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.nd
     _checks.disjoint(acc=acc, x=x, offsets=offsets, norms=norms)
     if end == 0:
         return
-    bounds = slice_bounds(end, CHUNK_ELEMENTS)
-    seg_first, _, _ = _piece_plan(offsets, bounds, end)
-    run = _rda_parallel if use_parallel(end) else _rda_sequential
-    run(acc, weight, x, offsets, norms, bounds, end, seg_first)
+    bounds = thread_bounds(end, CHUNK_ELEMENTS, parallel)
+    if bounds is None:
+        _rda_slice(acc, weight, x, offsets, norms, 0, end, _first_segment(offsets))
+    else:
+        _rda_parallel(acc, weight, x, offsets, norms, bounds, end, _piece_plan(offsets, bounds, end)[0])
 
 
 def rda_accumulate_int4(
@@ -339,6 +401,8 @@ def rda_accumulate_int4(
     offsets: np.ndarray,
     norms: np.ndarray,
     block: int = _checks.BLOCK_DEFAULT,
+    *,
+    parallel: bool = True,
 ) -> None:
     """rda_accumulate of the int4-coded vector, fused: acc[seg] += weight * code * scale / norms[i]."""
     weight, end, offsets, norms = _check_rda(acc, weight, offsets, norms)
@@ -346,7 +410,99 @@ def rda_accumulate_int4(
     _checks.disjoint(acc=acc, codes=codes, scales=scales, offsets=offsets, norms=norms)
     if end == 0:
         return
-    bounds = slice_bounds(end, block)
-    seg_first, _, _ = _piece_plan(offsets, bounds, end)
-    run = _rda_int4_parallel if use_parallel(end) else _rda_int4_sequential
-    run(acc, weight, codes, scales, offsets, norms, block, bounds, end, seg_first)
+    bounds = thread_bounds(end, block, parallel)
+    if bounds is None:
+        _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, 0, end, _first_segment(offsets))
+    else:
+        _rda_int4_parallel(acc, weight, codes, scales, offsets, norms, block, bounds, end,
+                           _piece_plan(offsets, bounds, end)[0])
+
+
+
+def _readonly_empty(dtype: type) -> np.ndarray:
+    a = np.zeros(0, dtype=dtype)
+    a.flags.writeable = False
+    return a
+
+
+# Stand-ins for the list a round does not use (fp32 rounds have no codes, int4 rounds no fp32 vectors):
+# a typed list takes its type from its items, so it cannot be empty.
+_UNUSED_F32 = (_readonly_empty(np.float32),)
+_UNUSED_U8 = (_readonly_empty(np.uint8),)
+
+
+def _rda_round(acc: object, weights: object, xs: object, codes: object, scales: object, offsets: object,
+               norms: object, block: object, parallel: bool) -> None:
+    int4 = xs is None
+    _checks.vector("acc", acc, np.float32, writeable=True)
+    weights = _checks.weights(weights)
+    segments, offsets = _checks.offsets("offsets", offsets, acc.size)
+    norms = _checks.matrix("norms", norms, np.float64, (weights.size, segments))
+    _checks.non_negative_finite("norms", norms.ravel(), np.inf)
+    named = {}
+    if int4:
+        codes = _checks.sequence("codes", codes, weights.size)
+        scales = _checks.sequence("scales", scales, weights.size)
+        for m in range(weights.size):
+            block, _, codes[m], scales[m] = _checks.coded(codes[m], scales[m], block, 2, acc.size)
+            named[f"codes[{m}]"], named[f"scales[{m}]"] = codes[m], scales[m]
+        xs, unit = _UNUSED_F32, block
+    else:
+        xs = _checks.sequence("xs", xs, weights.size)
+        for m in range(weights.size):
+            xs[m] = _checks.vector(f"xs[{m}]", xs[m], np.float32)
+            _checks.length(f"xs[{m}]", xs[m], acc.size)
+            named[f"xs[{m}]"] = xs[m]
+        codes, scales, block, unit = _UNUSED_U8, _UNUSED_F32, 0, CHUNK_ELEMENTS
+    _checks.written_apart({"acc": acc}, {"offsets": offsets, "norms": norms, **named})
+    end = int(offsets[-1])
+    if end == 0:
+        return
+    args = (acc, weights, typed_list(xs), typed_list(codes), typed_list(scales), offsets, norms, block, int4)
+    tile = tile_elements(unit)
+    bounds = thread_bounds(end, unit, parallel)
+    if bounds is None:
+        _rda_round_range(*args, 0, end, tile)
+    else:
+        _rda_round_parallel(*args, end, tile, bounds)
+
+
+def rda_accumulate_round(acc: np.ndarray, weights: np.ndarray, xs: Sequence[np.ndarray], offsets: np.ndarray,
+                         norms: np.ndarray, *, parallel: bool = True) -> None:
+    """Every contribution of a round in one pass: for m in order, rda_accumulate(acc, weights[m], xs[m],
+    offsets, norms[m]), with the same bits; norms is float64[m, k]. Each contribution is read once and
+    each tile of `acc` stays in cache while they are added."""
+    _rda_round(acc, weights, xs, None, None, offsets, norms, 0, parallel)
+
+
+def rda_accumulate_round_int4(acc: np.ndarray, weights: np.ndarray, codes: Sequence[np.ndarray],
+                              scales: Sequence[np.ndarray], offsets: np.ndarray, norms: np.ndarray,
+                              block: int = _checks.BLOCK_DEFAULT, *, parallel: bool = True) -> None:
+    """rda_accumulate_round of int4-coded contributions: for m in order, rda_accumulate_int4(acc,
+    weights[m], codes[m], scales[m], offsets, norms[m], block), in one pass and with the same bits."""
+    _rda_round(acc, weights, None, codes, scales, offsets, norms, block, parallel)
+
+
+def nesterov_step_segments(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, offsets: np.ndarray,
+                           factors: np.ndarray, lr: float, mu: float, *, parallel: bool = True) -> None:
+    """The outer step with outer gradient g scaled per tensor, in one pass: nesterov_step(theta, buf,
+    g * factors[i] on tensor i, lr, mu), g unscaled past offsets[-1] (padding); `g` is not modified.
+    The products are float32, so the bits are those of `g[seg] *= factors[i]` then nesterov_step."""
+    _checks.vector("theta", theta, np.float32, writeable=True)
+    _checks.vector("buf", buf, np.float32, writeable=True)
+    g = _checks.vector("g", g, np.float32)
+    _checks.length("buf", buf, theta.size)
+    _checks.length("g", g, theta.size)
+    segments, offsets = _checks.offsets("offsets", offsets, theta.size)
+    factors = _checks.vector("factors", factors, np.float32)
+    _checks.length("factors", factors, segments)
+    if factors.size and not np.isfinite(factors).all():
+        raise KernelInputError("factors must be finite")
+    lr32 = np.float32(_checks.finite_scalar("lr", lr))
+    mu32 = np.float32(_checks.finite_scalar("mu", mu))
+    _checks.disjoint(theta=theta, buf=buf, g=g, offsets=offsets, factors=factors)
+    bounds = thread_bounds(theta.size, CHUNK_ELEMENTS, parallel)
+    if bounds is None:
+        _nesterov_segments_range(theta, buf, g, offsets, factors, lr32, mu32, 0, theta.size)
+    else:
+        _nesterov_segments_parallel(theta, buf, g, offsets, factors, lr32, mu32, bounds)

@@ -222,23 +222,92 @@ def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, 
     theta -= lr32 * (g + mu32 * buf)
 
 
+# ---- a round's fused merge ----
+
+
+def round_mean_int4(out, weights, codes, scales, block=BLOCK_DEFAULT) -> None:
+    out[...] = 0
+    for w, c, s in zip(weights, codes, scales):
+        accumulate_int4(out, w, c, s, block)
+
+
+def round_mean_step_int4(theta, buf, weights, codes, scales, lr, mu, block=BLOCK_DEFAULT) -> None:
+    g = np.zeros_like(theta)
+    round_mean_int4(g, weights, codes, scales, block)
+    nesterov_step(theta, buf, g, lr, mu)
+
+
+def round_mean(out, weights, xs) -> None:
+    out[...] = 0
+    for w, x in zip(weights, xs):
+        accumulate(out, w, x)
+
+
+def round_mean_step(theta, buf, weights, xs, lr, mu) -> None:
+    g = np.zeros_like(theta)
+    round_mean(g, weights, xs)
+    nesterov_step(theta, buf, g, lr, mu)
+
+
+def rda_accumulate_round(acc, weights, xs, offsets, norms) -> None:
+    for w, x, n in zip(weights, xs, norms):
+        rda_accumulate(acc, w, x, offsets, n)
+
+
+def rda_accumulate_round_int4(acc, weights, codes, scales, offsets, norms, block=BLOCK_DEFAULT) -> None:
+    for w, c, s, n in zip(weights, codes, scales, norms):
+        rda_accumulate_int4(acc, w, c, s, offsets, n, block)
+
+
+def nesterov_step_segments(theta, buf, g, offsets, factors, lr, mu) -> None:
+    scaled = g.copy()
+    for (a, b), f in zip(_segments(offsets), factors):
+        scaled[a:b] *= np.float32(f)
+    nesterov_step(theta, buf, scaled, lr, mu)
+
+
+# ---- the learner's encode and apply ----
+
+
+def quantize_delta_int4(base, theta, residual=None, block=BLOCK_DEFAULT):
+    target = base - theta if residual is None else (base - theta) + residual
+    codes, scales = quantize_int4(target, block)
+    new_residual = None if residual is None else target - dequantize_int4(codes, scales, block)
+    return codes, scales, new_residual
+
+
+def apply_delta_int4(theta, base, codes, scales, block=BLOCK_DEFAULT) -> None:
+    d = dequantize_int4(codes, scales, block)
+    theta += d
+    base += d
+
+
 __all__ = [
     "accumulate",
     "accumulate_int1",
     "accumulate_int2",
     "accumulate_int4",
     "all_finite",
+    "apply_delta_int4",
     "count_nonfinite",
     "dequantize_int1",
     "dequantize_int2",
     "dequantize_int4",
     "from_bf16",
     "nesterov_step",
+    "nesterov_step_segments",
+    "quantize_delta_int4",
     "quantize_int1",
     "quantize_int2",
     "quantize_int4",
     "rda_accumulate",
     "rda_accumulate_int4",
+    "rda_accumulate_round",
+    "rda_accumulate_round_int4",
+    "round_mean",
+    "round_mean_int4",
+    "round_mean_step",
+    "round_mean_step_int4",
     "segment_sumsq",
     "segment_sumsq_int4",
     "to_bf16",

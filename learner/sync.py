@@ -29,7 +29,6 @@ from typing import Any, NamedTuple, Self
 
 import jax
 import numpy as np
-from ddiloco import kernels
 from ddiloco.core import codec
 from ddiloco.core.layout import Layout, layout_from_description
 from ddiloco.errors import UserError
@@ -76,8 +75,8 @@ class SyncConfig:
     snapshot_bytes_max: int = 16 << 30  # the largest peer snapshot accepted
     # Between the steps where a round opens, progress reports at most this often (net.client.ClientConfig).
     progress_interval_s: float = 0.5
-    # Codec kernels on the training thread only, never numba's thread pool (kernels.serial_only):
-    # the cores are the training step's. For the whole process, which a learner normally is.
+    # Codec kernels on the training thread only, never numba's thread pool (each call passes
+    # parallel=False): the cores are the training step's.
     serial_kernels: bool = True
 
     def __post_init__(self) -> None:
@@ -124,8 +123,8 @@ class DilocoSync:
     ):
         self.config = config
         self.is_embedding = is_embedding
-        if config.serial_kernels:
-            kernels.serial_only()
+        # Codec kernels on the training thread only, unless asked otherwise (SyncConfig.serial_kernels).
+        self.parallel_kernels = not config.serial_kernels
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
         # `tape` records what the hook takes from the network; `recover_fn` and `snapshots` are how a
         # replay (demo.replay) stands in for the peers.
@@ -247,7 +246,7 @@ class DilocoSync:
         fragments = list(self.fragments)
         for q in range(len(fragments)):
             values = tree.gather(params, q)
-            payload = _encode_init(values)
+            payload = _encode_init(values, self.parallel_kernels)
             if self.tape is not None:
                 self.tape.init(self.calls, q, payload)
             client.init(q, payload)
@@ -373,7 +372,7 @@ class DilocoSync:
         if update.version <= self.fragments[q].version:
             return params
         _, tree, _ = self._joined()
-        values = _decode(update.encoded)
+        values = _decode(update.encoded, self.parallel_kernels)
         params = tree.scatter(params, q, values, self.config.alpha)
         self._set(q, self.fragments[q].received(update.version, values))
         self.merged_versions_applied += 1
@@ -385,7 +384,8 @@ class DilocoSync:
         if frag.base is None or req.base_version != frag.version:
             return
         client, tree, layout = self._joined()
-        payload, feedback = _encode_delta(frag.base - tree.gather(params, req.fragment), frag.feedback, self.config, layout.block)
+        payload, feedback = _encode_delta(frag.base - tree.gather(params, req.fragment), frag.feedback, self.config, layout.block,
+                                          self.parallel_kernels)
         self._set(req.fragment, frag._replace(feedback=feedback))
         push = session.PushInfo(req.fragment, req.round, req.base_version, frag.steps, frag.tokens, payload)
         if self.tape is not None:
@@ -438,17 +438,18 @@ class DilocoSync:
 # The codec calls, one small helper each (the kernels' threading is decided in one place).
 
 
-def _encode_init(values: np.ndarray) -> bytes:
-    return codec.encode(values, "fp32")
+def _encode_init(values: np.ndarray, parallel: bool) -> bytes:
+    return codec.encode(values, "fp32", parallel=parallel)
 
 
-def _decode(encoded: codec.Encoded) -> np.ndarray:
-    return encoded.decode()
+def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
+    return encoded.decode(parallel=parallel)
 
 
-def _encode_delta(delta: np.ndarray, feedback: codec.FeedbackState | None, config: SyncConfig, block: int
+def _encode_delta(delta: np.ndarray, feedback: codec.FeedbackState | None, config: SyncConfig, block: int, parallel: bool
                   ) -> tuple[bytes, codec.FeedbackState | None]:
     """An outer gradient as push bytes; with error feedback, also the residual it leaves for the next."""
     if not config.error_feedback:
-        return codec.encode(delta, config.codec, block), feedback
-    return codec.encode_with_feedback(delta, feedback or codec.feedback_init(delta.size), config.codec, block)
+        return codec.encode(delta, config.codec, block, parallel=parallel), feedback
+    return codec.encode_with_feedback(delta, feedback or codec.feedback_init(delta.size), config.codec, block,
+                                      parallel=parallel)

@@ -17,13 +17,3 @@ WARMUP_S_MAX = 600
 def _kernels_compiled_on_disk():
     subprocess.run([sys.executable, "-c", "from ddiloco import kernels; kernels.warmup()"], check=True, timeout=WARMUP_S_MAX)
 
-
-@pytest.fixture(autouse=True)
-def _kernel_threading_restored():
-    """A learner's hook puts the whole process on serial kernels (kernels.serial_only); in the test
-    process that would reach every later test, so each test starts as the process did."""
-    from ddiloco.kernels import _parallelism
-
-    before = _parallelism._serial_only
-    yield
-    _parallelism._serial_only = before

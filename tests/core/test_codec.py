@@ -244,3 +244,34 @@ def test_error_feedback_carries_what_was_lost():
     np.testing.assert_allclose(total_sent + state.residual, 20 * x.astype(np.float64), rtol=1e-4, atol=1e-5)
     plain = 20 * codec.parse(codec.encode(x, "int1")).decode()
     assert np.linalg.norm(total_sent - 20 * x) < 0.5 * np.linalg.norm(plain - 20 * x)
+
+
+@pytest.mark.parametrize("name", [c.value for c in Codec])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_encode_delta_is_encode_of_the_difference(name, feedback):
+    # int4 takes the one-pass kernel; every codec gives the bytes (and residual) of the plain path,
+    # with or without the thread pool
+    n = 1 << 17
+    base, theta = gaussian(n, 3), gaussian(n, 4)
+    state = codec.FeedbackState(gaussian(n, 5) * np.float32(0.01)) if feedback else None
+    for parallel in (True, False):
+        payload, new_state = codec.encode_delta(base, theta, state, name, parallel=parallel)
+        if feedback:
+            want, want_state = codec.encode_with_feedback(base - theta, state, name, parallel=parallel)
+            np.testing.assert_array_equal(new_state.residual, want_state.residual)
+        else:
+            want = codec.encode(base - theta, name, parallel=parallel)
+            assert new_state is None
+        assert payload == want
+
+
+def test_encode_delta_refuses_what_encode_refuses():
+    base = gaussian(256)
+    theta = base.copy()
+    theta[7] = np.inf
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        codec.encode_delta(base, theta, codec.feedback_init(256), "int4")
+    with pytest.raises(CodecError, match="shape"):
+        codec.encode_delta(base, base[:128], None, "int4")
+    with pytest.raises(CodecError, match="not a multiple of the block"):
+        codec.encode_delta(gaussian(200), gaussian(200), None, "int4")

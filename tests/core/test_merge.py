@@ -131,3 +131,35 @@ def test_bad_merges():
         merge([contrib(1, 1.0, np.zeros(256, dtype=np.float32))] * 2, frag)
     with pytest.raises(ValueError, match="payload of 128 elements"):
         merge([contrib(1, 1.0, np.zeros(128, dtype=np.float32))], frag)
+
+
+@pytest.mark.parametrize("method", ["mean", "rda"])
+@pytest.mark.parametrize("codecs", [("int4",) * 4, ("fp32",) * 3, ("bf16", "bf16"), ("int4", "fp32", "int4"), ("int2",) * 2])
+def test_the_fused_round_steps_like_the_merged_values_bit_for_bit(method, codecs):
+    # what the syncer does (merge_round, then outer.update fusing the rest of the merge into the step)
+    # against the plain path (merge's values, then the step): the same bits, on a fragment large enough
+    # for the fused kernels, with an embedding tensor, a tensor that falls back to the mean, and padding
+    from ddiloco.core import merge as merging
+    from ddiloco.core import outer
+
+    sizes = [270000, 300, 9000, 130]
+    frag = one_fragment(sizes, embedding=(1,))
+    assert frag.padded_size >= merging.FUSED_ELEMENTS_MIN
+    rng = np.random.default_rng(7)
+    vecs = [padded(frag, *(rng.standard_normal(s).astype(np.float32) for s in sizes)) for _ in codecs]
+    for v in vecs:
+        v[270300:279300] = 0.0  # tensor 2 is zero everywhere: its RDA direction vanishes
+    cs = [contrib(i + 1, 2.0 if i < 2 else 1.0 + i, v, name) for i, (v, name) in enumerate(zip(vecs, codecs))]
+    delta, info = merge(cs, frag, method)
+    merged, info_fused = merging.merge_round(cs, frag, method)
+    assert info_fused == info
+    np.testing.assert_array_equal(merged.values(), delta)
+    theta = rng.standard_normal(frag.padded_size).astype(np.float32)
+    state = outer.NesterovState(buf=rng.standard_normal(frag.padded_size).astype(np.float32))
+    config = outer.OuterConfig()
+    want_theta, want_state = outer.update(state, theta, delta, config)
+    got_theta, got_state = outer.update(state, theta, merged, config)
+    np.testing.assert_array_equal(got_theta, want_theta)
+    np.testing.assert_array_equal(got_state.buf, want_state.buf)
+    if codecs[0] != "int2":  # int2 has no zero level: blocks shared with tensor 1 decode to +-scale
+        assert info.mean_fallback_tensors == (("t2",) if method == "rda" else ())

@@ -1,9 +1,10 @@
-"""Slicing, and the thread pool's behaviour around child processes."""
+"""Slicing by thread count, the per-call `parallel` choice, and the thread pool around child processes."""
 
 import multiprocessing
 import os
 import time
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from ddiloco import kernels
 from ddiloco.kernels import _parallelism
-from ddiloco.kernels._parallelism import SLICES_MAX, slice_bounds
+from ddiloco.kernels._parallelism import REDUCTION_SLICES_MAX, SLICE_ELEMENTS_MIN, slice_bounds, thread_bounds
 
 
 @settings(max_examples=50, deadline=None)
@@ -32,15 +33,15 @@ def test_slice_bounds_of_nothing_and_bad_requests():
     assert slice_bounds(0, 128).tolist() == [0, 0]
     with pytest.raises(ValueError):
         slice_bounds(10, 0)
-    assert SLICES_MAX == 64
+    assert REDUCTION_SLICES_MAX == 64
 
 
 def _compiled_versions():
     import numba
 
-    from ddiloco.kernels import _bf16, _dense, _int1, _int2, _int4, _nesterov, _segments
+    from ddiloco.kernels import _bf16, _dense, _lowbit, _nesterov, _segments
 
-    return {f"{m.__name__}.{k}": len(v.signatures) for m in (_bf16, _dense, _int1, _int2, _int4, _nesterov, _segments)
+    return {f"{m.__name__}.{k}": len(v.signatures) for m in (_bf16, _dense, _lowbit, _nesterov, _segments)
             for k, v in vars(m).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
 
 
@@ -74,7 +75,23 @@ def test_after_warmup_no_input_compiles_another_version(frozen):
         kernels.from_bf16(as_received(kernels.to_bf16(x)))
         kernels.accumulate(acc, 0.5, x)
         kernels.all_finite(x)
-        kernels.nesterov_step(acc, np.zeros(n, dtype=np.float32), x, 0.7, 0.9)
+        buf = np.zeros(n, dtype=np.float32)
+        kernels.nesterov_step(acc, buf, x, 0.7, 0.9)
+        weights = as_received(np.array([0.5, 0.5]))
+        both = as_received(np.stack([norms, norms])).reshape(2, -1)
+        factors = as_received(np.ones(2, dtype=np.float32))
+        for parallel in (True, False):
+            kernels.round_mean_int4(acc, weights, [codes, codes], [scales, scales], parallel=parallel)
+            kernels.round_mean_step_int4(acc, buf, weights, [codes, codes], [scales, scales], 0.7, 0.9, parallel=parallel)
+            kernels.round_mean(acc, weights, [x, x], parallel=parallel)
+            kernels.round_mean_step(acc, buf, weights, [x, x], 0.7, 0.9, parallel=parallel)
+            kernels.rda_accumulate_round(acc, weights, [x, x], offsets, both, parallel=parallel)
+            kernels.rda_accumulate_round_int4(acc, weights, [codes, codes], [scales, scales], offsets, both,
+                                              parallel=parallel)
+            kernels.nesterov_step_segments(acc, buf, x, offsets, factors, 0.7, 0.9, parallel=parallel)
+            _, _, residual = kernels.quantize_delta_int4(x, acc, as_received(buf), parallel=parallel)
+            kernels.quantize_delta_int4(x, acc, parallel=parallel)
+            kernels.apply_delta_int4(acc, residual, codes, scales, parallel=parallel)
     assert _compiled_versions() == before
 
 
@@ -120,23 +137,69 @@ def test_forked_child_falls_back_to_serial_loops():
     assert (acc == 1.0).all()  # the child's memory was its own
 
 
-def test_serial_only_keeps_every_kernel_on_the_calling_thread_with_the_same_bits():
+def test_parallel_false_keeps_the_calling_thread_and_the_same_bits():
     n = 4 * kernels.PARALLEL_ELEMENTS_MIN  # well above the size where the pool is used
     x = np.random.default_rng(3).standard_normal(n).astype(np.float32)
     offsets = np.array([0, 1000, n // 2, n], dtype=np.int64)
-    acc = np.zeros(n, dtype=np.float32)
+    if numba.get_num_threads() > 1:
+        assert thread_bounds(n, 128) is not None
+    assert thread_bounds(n, 128, parallel=False) is None
+    assert not _parallelism.use_parallel(n, parallel=False)
     pooled = (kernels.quantize_int4(x), kernels.segment_sumsq(x, offsets))
-    kernels.accumulate(acc, 0.5, x)
-    assert _parallelism.use_parallel(n)
-    kernels.serial_only()
-    try:
-        assert not _parallelism.use_parallel(n)
-        serial = (kernels.quantize_int4(x), kernels.segment_sumsq(x, offsets))
-        kernels.accumulate(acc, -0.5, x)
-    finally:
-        kernels.serial_only(False)
-    assert _parallelism.use_parallel(n)
+    serial = (kernels.quantize_int4(x, parallel=False), kernels.segment_sumsq(x, offsets, parallel=False))
     np.testing.assert_array_equal(serial[0][0], pooled[0][0])
     np.testing.assert_array_equal(serial[0][1], pooled[0][1])
     np.testing.assert_array_equal(serial[1], pooled[1])
+    acc = np.zeros(n, dtype=np.float32)
+    kernels.accumulate(acc, 0.5, x)
+    kernels.accumulate(acc, -0.5, x, parallel=False)
     assert (acc == 0).all()
+    # one caller's choice is its own: nothing process-wide was switched
+    assert _parallelism.use_parallel(n) == (numba.get_num_threads() > 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16, 96])
+def test_elementwise_cut_is_one_aligned_slice_per_thread(threads, monkeypatch):
+    # the cut follows the thread count numba has, on 2 cores and on a large host alike
+    monkeypatch.setattr(_parallelism.numba, "get_num_threads", lambda: threads)
+    for n, unit in ((1 << 16, 128), (1031 * 128, 128), (64 << 20, 128), (64 << 20, 1 << 14), (3 << 16, 1 << 14)):
+        b = thread_bounds(n, unit)
+        if threads == 1:
+            assert b is None
+            continue
+        want = min(threads, n // max(unit, SLICE_ELEMENTS_MIN))
+        assert b.size - 1 == want
+        assert b[0] == 0 and b[-1] == n and (b[:-1] % unit == 0).all() and (np.diff(b) > 0).all()
+        assert np.diff(b).min() >= SLICE_ELEMENTS_MIN // unit * unit
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    # a replay on another host reproduces a merge exactly: sums use a cut of the length only, the
+    # elementwise kernels compute each value alone
+    n = (1 << 20) + 384
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(n).astype(np.float32)
+    offsets = np.array([0, 1000, 300000, n - 100], dtype=np.int64)
+    codes, scales = kernels.quantize_int4(x)
+    norms = np.sqrt(kernels.segment_sumsq(x, offsets))
+
+    def run():
+        acc = np.zeros(n, dtype=np.float32)
+        kernels.rda_accumulate_int4(acc, 0.3, codes, scales, offsets, norms)
+        theta, buf = x.copy(), np.zeros(n, dtype=np.float32)
+        kernels.round_mean_step_int4(theta, buf, np.array([0.25, 0.75]), [codes, codes], [scales, scales], 0.7, 0.9)
+        return [kernels.segment_sumsq(x, offsets), kernels.segment_sumsq_int4(codes, scales, offsets), acc, theta, buf,
+                *kernels.quantize_int4(x)]
+
+    before = numba.get_num_threads()
+    results = []
+    try:
+        for t in sorted({1, 2, before}):
+            if t <= numba.config.NUMBA_NUM_THREADS:
+                numba.set_num_threads(t)
+                results.append(run())
+    finally:
+        numba.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
