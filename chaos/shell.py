@@ -22,9 +22,9 @@ from collections.abc import Callable
 import numpy as np
 from ddiloco import kernels
 from ddiloco.core import checkpoint, codec, syncer
-from ddiloco.core.chaos.invariants import Checker
-from ddiloco.core.chaos.learner import CONTROL_BYTES
-from ddiloco.core.chaos.network import DOWN, Connection, Message, Network, Scheduler
+from ddiloco.chaos.invariants import Checker
+from ddiloco.chaos.learner import CONTROL_BYTES
+from ddiloco.chaos.network import DOWN, Connection, Message, Network, Scheduler
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import (
     ArmTimer,

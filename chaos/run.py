@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from ddiloco.core import syncer
-from ddiloco.core.chaos.faults import ChaosConfig, Fault, Plan, draw_plan
-from ddiloco.core.chaos.invariants import Checker
-from ddiloco.core.chaos.learner import SimLearner
-from ddiloco.core.chaos.network import UP, Network, Scheduler
-from ddiloco.core.chaos.shell import SimSyncer
+from ddiloco.chaos.faults import ChaosConfig, Fault, Plan, draw_plan
+from ddiloco.chaos.invariants import Checker
+from ddiloco.chaos.learner import SimLearner
+from ddiloco.chaos.network import UP, Network, Scheduler
+from ddiloco.chaos.shell import SimSyncer
 from ddiloco.core.syncer import LearnerStatus
 
 TRACE_TAIL = 40  # lines of trace kept in a result
