@@ -109,13 +109,13 @@ class World:
         return sum(learner.tokens_trained for learner in self.learners)
 
     def _counted(self, learner_id: int, p: int, version: int) -> int | None:
-        conn = self.syncer.conn_of.get(learner_id)
+        conn = self.syncer.connection_of(learner_id)
         if conn is None:
             return None
         return self.learners[conn.learner].counted.get((learner_id, p, version), 0)
 
     def _holds_all(self, learner_id: int) -> bool:
-        conn = self.syncer.conn_of.get(learner_id)
+        conn = self.syncer.connection_of(learner_id)
         if conn is None:
             return True  # not connected any more: nothing the learner could prove either way
         learner = self.learners[conn.learner]
