@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.core.chaos.faults import ChaosConfig
+    from ddiloco.chaos.faults import ChaosConfig
 
     if args.verbose is not None and args.verbose not in args.seeds:
         raise UserError(f"--verbose {args.verbose} is not among the seeds to run")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_all(seeds: list[int], config, jobs: int, verbose: int | None) -> list:
-    from ddiloco.core.chaos.run import run_seed
+    from ddiloco.chaos.run import run_seed
 
     by_seed = {}
     if verbose is not None:

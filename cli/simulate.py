@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.core import sim
+    from ddiloco import sim
 
     model = _model(args, sim)
     if args.seeds > SEEDS_MAX:
@@ -186,7 +186,7 @@ def _chips(n: float) -> str:
 def _mixed(args: argparse.Namespace, sim: Any) -> int:
     import numpy as np
 
-    from ddiloco.core.sim.paper import MIXED_GOODPUT
+    from ddiloco.sim.paper import MIXED_GOODPUT
 
     cfg = sim.MixedConfig()
     print(f"config: {cfg}")
@@ -200,7 +200,7 @@ def _mixed(args: argparse.Namespace, sim: Any) -> int:
 
 
 def _scavenge(args: argparse.Namespace, sim: Any, model: Any) -> int:
-    from ddiloco.core.sim.paper import SCAVENGE_EXTRA, SCAVENGE_WALL_DECOUPLED, SCAVENGE_WALL_DP
+    from ddiloco.sim.paper import SCAVENGE_EXTRA, SCAVENGE_WALL_DECOUPLED, SCAVENGE_WALL_DP
 
     paper = {e: (d, p) for e, d, p in zip(SCAVENGE_EXTRA, SCAVENGE_WALL_DECOUPLED, SCAVENGE_WALL_DP)}
     configs = [sim.ScavengeConfig(extra=e, scale_down_s=model.timings.scale_down_s, scale_up_s=model.timings.scale_up_s)

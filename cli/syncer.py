@@ -192,13 +192,13 @@ def run(args: argparse.Namespace) -> int:
         daemon = server.SyncerServer(state, server_config)
     except store.StoreError as exc:
         raise UserError(str(exc)) from exc
-    if daemon.checkpoints is not None:
-        log.info("checkpoints of run %s go to %s", daemon.checkpoints.run, daemon.checkpoints.directory)
+    if daemon.checkpoints.store is not None:
+        log.info("checkpoints of run %s go to %s", daemon.checkpoints.store.run, daemon.checkpoints.store.directory)
     daemon.tape = _open_tape(v, state, log)
     server.use_uvloop()
     asyncio.run(daemon.serve_forever())
     # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
-    return 0 if daemon.checkpoints is None or daemon.checkpoints.health.ok else 1
+    return 0 if daemon.checkpoints.healthy else 1
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The syncer's shell without sockets: a virtual clock, a hub around the core, a learner transport.
 
-`Hub` carries out the core's effects as `net.server.SyncerServer` does (a welcome binds the
-connection to its learner, updates take the newest values when sent, timers fire, drops close),
-but at virtual times on a `VirtualLoop`, with a modelled latency and bandwidth each way.
+`Hub` is the link of the same `net.shell.Shell` the daemon runs the core in (the tables, the
+timers, the merge-cost feedback are the shell's), at virtual times on a `VirtualLoop`, with a
+modelled latency and bandwidth each way.
 `InProcessTransport` is what `DilocoSync` talks to instead of a `ThreadedClient`. Both sides encode
 every message into the daemon's wire frames and map them with `net.session`, so the learner and
 the core see exactly what they see over a websocket; nothing of the protocol is written twice.
@@ -15,27 +15,12 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
 
 from ddiloco.core import syncer as core
-from ddiloco.core.events import (
-    ArmTimer,
-    Disconnect,
-    Drop,
-    Event,
-    Log,
-    MergeCost,
-    Merged,
-    SendError,
-    SendRequest,
-    SendUpdate,
-    SendWelcome,
-    TimerFired,
-    WriteCheckpoint,
-)
+from ddiloco.core.events import Disconnect, Event, Merged
 from ddiloco.net import session, wire
 from ddiloco.net.client import ClientConfig, SyncerClient, SyncerRefused
+from ddiloco.net.shell import Control, Shell
 
 EVENTS_MAX = 50_000_000  # a run that handles more than this has a bug (a timer or message loop)
 PROGRESS_QUEUED_MAX = 64  # as the client: only the newest progress reports matter
@@ -94,7 +79,6 @@ class VirtualLoop:
 class _Conn:
     id: int
     transport: InProcessTransport
-    learner: int | None = None
     open: bool = True
     up_free_at: float = 0.0  # per-direction FIFO: a message never overtakes one sent before it
     down_free_at: float = 0.0
@@ -103,24 +87,30 @@ class _Conn:
 
 
 class Hub:
-    """Carries out the core's effects as `net.server.SyncerServer` does, at virtual times."""
+    """The syncer at virtual times: `net.shell.Shell` around the core, this hub its link (frames
+    with a modelled latency and bandwidth each way, timers on the virtual loop, no files)."""
 
     def __init__(self, state: core.SyncerState, loop: VirtualLoop, network: NetworkModel):
-        self.state, self.loop, self.network = state, loop, network
+        self.loop, self.network = loop, network
+        self.shell = Shell(state, self, merge_cost=lambda _spent: (network.merge_s, 0.0))
         self.limits = wire.WireLimits()
         self._conns: dict[int, _Conn] = {}
-        self._by_learner: dict[int, _Conn] = {}
         self._conn_ids = itertools.count(1)
         self._message_ids = itertools.count(1)
         self.merges: list[Merged] = []
         self.merge_times: list[float] = []
         self.bytes_down = 0
 
+    @property
+    def state(self) -> core.SyncerState:
+        return self.shell.state
+
     # the learner side calls these
 
     def connect(self, transport: InProcessTransport) -> _Conn:
         conn = _Conn(next(self._conn_ids), transport)
         self._conns[conn.id] = conn
+        self.shell.opened(conn.id)
         return conn
 
     def send_up(self, conn: _Conn, frames: list) -> None:
@@ -149,7 +139,7 @@ class Hub:
                 message = conn.up.feed(frame)
                 if message is None:
                     continue
-                event = session.event_for(message, conn.id, conn.learner, self.state.layout)
+                event = session.event_for(message, conn.id, self.shell.learner_on(conn.id), self.state.layout)
             except wire.WireError as exc:
                 self._refuse(conn, exc)
                 return
@@ -163,44 +153,37 @@ class Hub:
                 self.handle(event)
 
     def handle(self, event: Event) -> None:
-        self.state, effects = core.handle(self.state, event, self.loop.now)
-        merged = False
-        for effect in effects:
-            merged |= isinstance(effect, Merged)
-            self._carry_out(effect)
-        if merged:
-            self.loop.at(self.loop.now, lambda: self.handle(MergeCost(self.network.merge_s)))
+        self.shell.handle(event, self.loop.now)
 
-    def _carry_out(self, effect: Any) -> None:
-        if isinstance(effect, (SendWelcome, SendRequest, SendError)):
-            conn = self._conns.get(effect.conn) if getattr(effect, "conn", None) is not None else self._by_learner.get(effect.learner)
-            if conn is None:
-                return
-            if isinstance(effect, SendWelcome):
-                conn.learner = effect.learner
-                self._by_learner[effect.learner] = conn
-            self._send_down(conn, session.frames_for(effect, next(self._message_ids), self.limits))
-        elif isinstance(effect, SendUpdate):
-            # The values are taken now, between two core calls, and copied into frames (as the daemon does
-            # when a connection gets to the update); the merge cost delays them.
-            codec, version, values = core.update_values(self.state, effect.fragment)
-            frames = session.update_frames(effect.fragment, version, codec, values, next(self._message_ids), self.limits)
-            for learner in effect.learners:
-                conn = self._by_learner.get(learner)
-                if conn is not None:
-                    self._send_down(conn, frames, extra_s=self.network.merge_s)
-        elif isinstance(effect, ArmTimer):
-            self.loop.at(effect.at, lambda: self.handle(TimerFired(effect.fragment, effect.round)))
-        elif isinstance(effect, Drop):
-            conn = self._by_learner.get(effect.learner) if effect.learner is not None else self._conns.get(effect.conn)
-            if conn is not None:
-                conn.transport.dropped()
-                self._forget(conn, effect.reason)
-        elif isinstance(effect, Merged):
-            self.merges.append(effect)
-            self.merge_times.append(self.loop.now)
-        else:
-            assert isinstance(effect, (Log, WriteCheckpoint)), effect  # no files in an in-process run
+    # the shell's link (net.shell.Link)
+
+    def send(self, conn_id: int, effect: Control) -> None:
+        self._send_down(self._conns[conn_id], session.frames_for(effect, next(self._message_ids), self.limits))
+
+    def send_update(self, conns: tuple[int, ...], fragment: int, codec: str, version: int, values) -> None:
+        # Copied into frames now, between two core calls (as the daemon does); the merge cost delays them.
+        frames = session.update_frames(fragment, version, codec, values, next(self._message_ids), self.limits)
+        for conn_id in conns:
+            self._send_down(self._conns[conn_id], frames, extra_s=self.network.merge_s)
+
+    def close(self, conn_id: int, reason: str) -> None:
+        conn = self._conns.get(conn_id)
+        if conn is not None:
+            conn.transport.dropped()
+            self._forget(conn, reason)
+
+    def wake(self, at: float, token: int) -> None:
+        self.loop.at(at, lambda: self.shell.fire(token, self.loop.now))
+
+    def write_checkpoint(self, state: core.SyncerState, reason: str) -> None:
+        pass  # no files in an in-process run
+
+    def merged(self, effect: Merged) -> None:
+        self.merges.append(effect)
+        self.merge_times.append(self.loop.now)
+
+    def log(self, effect) -> None:
+        pass
 
     def _send_down(self, conn: _Conn, frames: list, extra_s: float = 0.0) -> None:
         size = sum(len(f) for f in frames)
@@ -227,9 +210,7 @@ class Hub:
         conn.open = False
         if self._conns.pop(conn.id, None) is None:
             return
-        if conn.learner is not None and self._by_learner.get(conn.learner) is conn:
-            del self._by_learner[conn.learner]
-            self.handle(Disconnect(conn.learner, reason))
+        self.shell.closed(conn.id, reason, self.loop.now)
 
 
 # ---- the learner's transport ---------------------------------------------------------------------------
@@ -252,6 +233,7 @@ class InProcessTransport:
         self.step = 0  # the learner's step, set by the runner before each hook call
         self.bytes_up = 0
         self.push_log: list[tuple[int, int]] = []  # (learner step, bytes) of every push sent
+        self.pushes_dropped = 0  # refused for a full queue, as the client counts them
 
     @property
     def refused(self) -> SyncerRefused | None:
@@ -318,7 +300,8 @@ class InProcessTransport:
     def push(self, item: session.PushInfo) -> None:
         self._check()
         if sum(isinstance(b, session.PushInfo) for b in self._bulk) >= PUSHES_QUEUED_MAX:
-            return  # as the client: a full push queue refuses, the next round asks again
+            self.pushes_dropped += 1  # as the client: a full push queue refuses, the next round asks again
+            return
         self._bulk.append(item)
 
     def init(self, fragment: int, payload: bytes) -> None:

@@ -129,6 +129,7 @@ class SyncerClient:
         self._rng = rng or random.Random(0)  # jitter of the backoff only
         self.last_error: str | None = None
         self.bytes_out = 0
+        self.pushes_dropped = 0  # pushes refused for a full queue (the round asks again)
         # This learner's vector clock (docs/replay.md): ticked before every message sent, merged with
         # the clock of every message received. Kept across reconnects: it is the process's clock.
         self.clock = VClock()
@@ -146,8 +147,12 @@ class SyncerClient:
         self._wake.set()
 
     def queue_push(self, push: session.PushInfo, welcomes: int | None = None) -> bool:
-        """False when the push queue is full (the caller keeps its counters and tries next time)."""
+        """False when the push queue is full: the push is dropped, counted in `pushes_dropped` and
+        logged (the caller keeps its counters and tries next time)."""
         if len(self._bulk) >= self.config.pushes_queued_max:
+            self.pushes_dropped += 1
+            log.warning("push of fragment %d round %d dropped: %d messages already queued (%d pushes dropped so far)",
+                        push.fragment, push.round, len(self._bulk), self.pushes_dropped)
             return False
         self._bulk.append((welcomes, push))
         self._wake.set()
@@ -481,7 +486,13 @@ class ThreadedClient:
         if held is not None:
             self._forward(held[0], held[1])
 
+    @property
+    def pushes_dropped(self) -> int:
+        """Pushes the network thread refused for a full queue (SyncerClient.queue_push)."""
+        return self._client.pushes_dropped
+
     def push(self, item: session.PushInfo) -> None:
+        """Queued on the network thread; one that finds the queue full is counted in `pushes_dropped`."""
         self._check()
         self._loop.call_soon_threadsafe(self._client.queue_push, item, self._welcomes_seen)
 

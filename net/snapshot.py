@@ -21,7 +21,9 @@ A snapshot is a directory, written under a temporary name and renamed when compl
     inflight/<sha256>              payloads of the messages in flight (pushes, initial fragments)
 
 This module writes and checks those files (every file through net.files: atomic, and a failure
-names the path and the cause); the daemon (net.server) drives it. No clock is read here.
+names the path and the cause). `Taker` is the protocol as a state machine without sockets, threads
+or a clock: the daemon's core thread drives it (`net.server`) between two events, and a test drives
+it directly. No clock is read here.
 """
 
 from __future__ import annotations
@@ -165,6 +167,87 @@ def finish(snap: Snapshot, now: float, kept: int = SNAPSHOTS_KEPT_DEFAULT) -> Pa
     except OSError as exc:
         raise SnapshotError(f"cannot complete snapshot {snap.ident}: {files.describe(exc)}") from exc
     return snap.final
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A snapshot that ended: its summary, or why it failed."""
+
+    ident: int
+    summary: dict | None
+    error: SnapshotError | None
+
+
+class Taker:
+    """At most one snapshot at a time, driven between two core events.
+
+    `start` records the syncer's state and names the learners to send a marker to; `record` sees every
+    event the core handles after the cut; `local_state` and `timeout` close channels. Each of the last
+    two returns an `Outcome` when the snapshot ended with it."""
+
+    def __init__(self, root: Path | None, kept: int = SNAPSHOTS_KEPT_DEFAULT):
+        self.root, self.kept = root, kept
+        self.taking: Snapshot | None = None
+        self._next_ident = 1
+
+    def start(self, state: SyncerState, learners: dict[int, str], vclock: dict[str, int], now: float) -> Snapshot:
+        """Begin a snapshot (SnapshotError when none can be taken now): markers go to `learners`."""
+        problem = (
+            "no snapshot directory configured" if self.root is None
+            else "the syncer holds no parameters yet" if not state.holds_parameters
+            else f"snapshot {self.taking.ident} is still being taken" if self.taking is not None else None
+        )
+        if problem:
+            raise SnapshotError(f"no snapshot: {problem}")
+        ident, self._next_ident = self._next_ident, self._next_ident + 1
+        self.taking = begin(self.root, ident, state, learners, vclock, now)
+        return self.taking
+
+    def record(self, event: ev.Event) -> str | None:
+        """The core takes `event`: channel state while its channel is open. A disk that fails abandons
+        the snapshot (returned: why), never the event."""
+        if self.taking is None:
+            return None
+        try:
+            record_inflight(self.taking, event)
+        except OSError as exc:
+            snap, self.taking = self.taking, None
+            abandon(snap)
+            return f"snapshot {snap.ident} abandoned: {exc}"
+        return None
+
+    def local_state(self, learner: int, ident: int, data: bytes, sha256: str, now: float) -> tuple[str | None, Outcome | None]:
+        """A learner's local state arrived: (what is wrong with it, if anything; the outcome, if it ended)."""
+        snap = self.taking
+        if snap is None or snap.ident != ident:
+            return f"learner {learner}: a local state for snapshot {ident}, which is not being taken", None
+        problem = local_state(snap, learner, data, sha256)
+        return problem, (self._finish(now) if complete(snap) else None)
+
+    def timeout(self, ident: int, now: float) -> Outcome | None:
+        """The wait limit of snapshot `ident` passed: the learners not in are left out."""
+        if self.taking is None or self.taking.ident != ident:
+            return None
+        return self._finish(now)
+
+    def abandon(self) -> int | None:
+        """The syncer stops: the snapshot being taken (its id returned) is dropped."""
+        if self.taking is None:
+            return None
+        snap, self.taking = self.taking, None
+        abandon(snap)
+        return snap.ident
+
+    def _finish(self, now: float) -> Outcome:
+        snap, self.taking = self.taking, None
+        try:
+            path = finish(snap, now, self.kept)
+        except SnapshotError as exc:
+            abandon(snap)
+            return Outcome(snap.ident, None, exc)
+        summary = {"snapshot": snap.ident, "directory": str(path), "learners": len(snap.states),
+                   "inflight": len(snap.inflight), "left_out": {str(k): v for k, v in snap.left_out.items()}}
+        return Outcome(snap.ident, summary, None)
 
 
 def abandon(snap: Snapshot) -> None:

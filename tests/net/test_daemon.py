@@ -158,7 +158,7 @@ async def test_learners_join_init_and_merge_over_real_sockets(tmp_path):
     # every byte the learners received was counted as sent (welcomes, requests, the broadcasts)
     sent = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ddiloco_bytes_out_total"))
     assert 0 < sent <= s.server.metrics.bytes_out  # (the learners go on meanwhile)
-    assert s.server.metrics.bytes_out >= sum(c.bytes_out for c in s.server._conns.values())
+    assert s.server.metrics.bytes_out >= sum(c.bytes_out for c in s.server.sessions.conns.values())
     s.server.state.ledger.check()
     await a.stop()
     await b.stop()
@@ -414,8 +414,8 @@ async def test_threaded_client_drops_what_was_made_before_the_caller_saw_a_new_w
         for p, n in enumerate(sizes):
             tc.init(p, codec.encode(np.full(n, 0.5, dtype=np.float32), "fp32"))
         await until(lambda: s.server.state.holds_parameters, what="init through the thread")
-        conn = next(iter(s.server._conns.values()))
-        await s.server._close(conn, "test: drop the connection")
+        conn = next(iter(s.server.sessions.conns.values()))
+        await s.server.sessions.shut(conn, "test: drop the connection")
         await until(lambda: 2 in s.server.state.learners, what="rejoined as learner 2")
         await until(lambda: tc.client.inbox.welcomes == 2, what="the client holds the second welcome")
         # Made in session 1, so dropped: were it sent, learner 2 would be at step 100 and the report

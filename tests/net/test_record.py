@@ -72,7 +72,7 @@ async def train_until(server, learners, merges):
     while server.state.merges < merges:
         for lr in learners:
             lr.tick()
-        await until(lambda: server._events.empty(), what="the core to drain")
+        await until(lambda: server.core.empty(), what="the core to drain")
         await asyncio.sleep(0.01)  # let pushes answering this step's requests arrive
 
 

@@ -232,13 +232,13 @@ async def test_the_daemon_answers_a_failed_checkpoint_with_an_error(disk):
     try:
         async with aiohttp.ClientSession() as http:
             async with http.post(url, headers=auth) as r:
-                assert r.status == 200 and server.checkpoints.health.written in await r.text()
+                assert r.status == 200 and server.checkpoints.store.health.written in await r.text()
             disk.read_only()
             async with http.post(url, headers=auth) as r:
                 assert r.status == 507 and "read-only file system" in await r.text()
     finally:
         await server.stop()  # the last checkpoint fails too: logged and in the health, not a traceback
-    assert not server.checkpoints.health.ok and server.checkpoints.health.failures_since_written == 2
+    assert not server.checkpoints.store.health.ok and server.checkpoints.store.health.failures_since_written == 2
     assert server.metrics.checkpoint_failures == 2
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ddiloco.core import sim
+from ddiloco import sim
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from ddiloco.core.sim.config import RepairKind, RepairTime, System, SystemConfig, Timings
-from ddiloco.core.sim.grid import CellResult, run_table1, table1_systems
+from ddiloco.sim.config import RepairKind, RepairTime, System, SystemConfig, Timings
+from ddiloco.sim.grid import CellResult, run_table1, table1_systems
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.core.sim.config import SimConfigError
-from ddiloco.core.sim.paper import MIXED_LEARNERS_FAST, MIXED_LEARNERS_SLOW, MIXED_NOISE, MIXED_SPEED_GAP
+from ddiloco.sim.config import SimConfigError
+from ddiloco.sim.paper import MIXED_LEARNERS_FAST, MIXED_LEARNERS_SLOW, MIXED_NOISE, MIXED_SPEED_GAP
 
 STEP_MIN = 0.05  # a noisy step never takes less than this share of its base time
 ROUNDS_MAX = 10_000_000

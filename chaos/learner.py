@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from ddiloco.core import codec
-from ddiloco.core.chaos.network import (
+from ddiloco.chaos.network import (
     UP,
     Connection,
     LinkProfile,

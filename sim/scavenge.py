@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ddiloco.core.sim.config import SimConfigError
-from ddiloco.core.sim.paper import MIXED_SPEED_GAP
+from ddiloco.sim.config import SimConfigError
+from ddiloco.sim.paper import MIXED_SPEED_GAP
 
 EXTRA_MAX = 1_000.0
 

@@ -1,13 +1,13 @@
-"""The simulated daemon: the real core behind a shell that does what `net/server.py` does.
+"""The simulated daemon: the real core in the daemon's own shell (`net.shell`), over a simulated network.
 
 Messages from a connection become core events (a hello is a Join keyed by the connection; anything
-else carries the learner id the welcome gave that connection); `syncer.handle` runs; the effects are
-carried out as the daemon does: welcomes, requests and errors go out as control messages; an update
-sends `syncer.update_values` (bf16 decoded as the learner would) to every addressed learner still
-connected; timers are armed on the virtual clock and never cancelled; a Drop closes the connection
-after its queued control messages; WriteCheckpoint keeps the checkpoint bytes in memory; after an
-event that merged, a MergeCost event follows with the (simulated) time the merge took; a reset
-connection becomes a Disconnect of its learner.
+else carries the learner id the welcome gave that connection); the shell runs the core and carries
+out its effects through this link: welcomes, requests and errors go out as control messages; an
+update sends `syncer.update_values` (bf16 decoded as the learner would) to every addressed learner
+still connected; timers fire on the virtual clock (a restart cancels them); a Drop closes the
+connection after its queued control messages; WriteCheckpoint keeps the checkpoint bytes in memory;
+after an event that merged, a MergeCost event follows with the (simulated) time the merge took; a
+reset connection becomes a Disconnect of its learner.
 
 A restart is the daemon's `stop` then `--resume`: every connection closes (no Disconnect reaches
 the core, as in `stop`), a last checkpoint is taken, and after a downtime a new process restores it.
@@ -21,35 +21,31 @@ from collections.abc import Callable
 
 import numpy as np
 from ddiloco import kernels
+from ddiloco.chaos.invariants import Checker
+from ddiloco.chaos.learner import CONTROL_BYTES
+from ddiloco.chaos.network import DOWN, Connection, Message, Network, Scheduler
 from ddiloco.core import checkpoint, codec, syncer
-from ddiloco.core.chaos.invariants import Checker
-from ddiloco.core.chaos.learner import CONTROL_BYTES
-from ddiloco.core.chaos.network import DOWN, Connection, Message, Network, Scheduler
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import (
-    ArmTimer,
-    Disconnect,
-    Drop,
+    Effect,
     Event,
     InitFragment,
     Join,
     Log,
-    MergeCost,
     Merged,
     Progress,
     Push,
     SendError,
-    SendRequest,
-    SendUpdate,
     SendWelcome,
-    TimerFired,
-    WriteCheckpoint,
 )
+from ddiloco.net.shell import Control, Shell
 
 MERGE_COST_S = (0.0005, 0.005)  # the simulated time one merge takes, drawn uniformly
 
 
 class SimSyncer:
+    """The simulated daemon: `net.shell.Shell` around the real core, this class its link."""
+
     def __init__(self, config: SyncerConfig, scheduler: Scheduler, network: Network, rng: np.random.Generator,
                  checker: Checker, trace: Callable[[str], None]):
         self.config = config
@@ -58,21 +54,34 @@ class SimSyncer:
         self.rng = rng
         self.checker = checker
         self.trace = trace
-        self.state = syncer.new_state(config)
-        self.incarnation = 0
+        self.shell = Shell(syncer.new_state(config), self, merge_cost=self._merge_cost, observe=self._observe)
         self.up = True
-        self.learner_of: dict[int, int] = {}  # connection id -> learner id
-        self.conn_of: dict[int, Connection] = {}  # learner id -> connection
+        self._seen: dict[int, Connection] = {}  # connection id -> connection, while the shell holds it open
         self.checkpoint: bytes | None = None
-        self.events = 0
         self.checkpoints = 0
         self.restarts = 0
+
+    @property
+    def state(self) -> syncer.SyncerState:
+        return self.shell.state
+
+    @property
+    def events(self) -> int:
+        return self.shell.steps
+
+    def connection_of(self, learner: int) -> Connection | None:
+        """The connection the syncer knows learner `learner` by (its reset may not be noticed yet)."""
+        conn = self.shell.conn_of.get(learner)
+        return self._seen.get(conn) if conn is not None else None
 
     # ---- messages in ----------------------------------------------------------------------------
 
     def receive(self, conn: Connection, message: Message) -> None:
         if not self.up:
             return
+        if conn.id not in self._seen:
+            self._seen[conn.id] = conn
+            self.shell.opened(conn.id)
         event = self._event_for(conn, message)
         if event is not None:
             self.handle(event)
@@ -81,7 +90,7 @@ class SimSyncer:
         body = message.body
         if message.kind == "hello":
             return Join(conn=conn.id, name=body["name"], tensors=body["tensors"], protocol=body["protocol"])
-        learner = self.learner_of.get(conn.id)
+        learner = self.shell.learner_on(conn.id)
         assert learner is not None, f"{message.kind} before the welcome on connection {conn.id}: the learner broke the protocol"
         if message.kind == "progress":
             return Progress(learner=learner, step=body["step"], versions=body["versions"], steps=body["steps"], tokens=body["tokens"])
@@ -95,79 +104,65 @@ class SimSyncer:
 
     def lost(self, conn: Connection, why: str) -> None:
         """The daemon noticed a connection closing: its learner is gone."""
-        learner = self.learner_of.pop(conn.id, None)
-        if learner is not None and self.conn_of.get(learner) is conn:
-            del self.conn_of[learner]
-            self.handle(Disconnect(learner=learner, reason=why))
+        if self._seen.pop(conn.id, None) is not None:
+            self.shell.closed(conn.id, why, self.scheduler.now)
 
     def handle(self, event: Event) -> None:
-        now = self.scheduler.now
-        self.state, effects = syncer.handle(self.state, event, now)
-        self.events += 1
+        self.shell.handle(event, self.scheduler.now)
+
+    def _observe(self, event: Event, effects: list[Effect], state: syncer.SyncerState, now: float) -> None:
         self.trace(f"{now:.6f} core {_describe(event)} -> {' '.join(_describe(e) for e in effects if not isinstance(e, Log))}")
-        self.checker.after_event(self.state, event, effects, now)
-        merged = False
-        for effect in effects:
-            merged |= isinstance(effect, Merged)
-            self._carry_out(effect)
-        if merged:
-            cost = float(self.rng.uniform(*MERGE_COST_S))
-            self._later(cost, "merge cost", lambda: self.handle(MergeCost(seconds=cost)))
+        self.checker.after_event(state, event, effects, now)
 
-    # ---- effects out ----------------------------------------------------------------------------
+    def _merge_cost(self, _spent_s: float) -> tuple[float, float]:
+        cost = float(self.rng.uniform(*MERGE_COST_S))
+        return cost, cost  # the merge takes that long on the virtual clock, then MergeCost reports it
 
-    def _carry_out(self, effect) -> None:
+    # ---- the shell's link (net.shell.Link) ------------------------------------------------------------
+
+    def send(self, conn_id: int, effect: Control) -> None:
+        conn = self.network.conns.get(conn_id)
+        if conn is None:
+            return
         if isinstance(effect, SendWelcome):
-            conn = self.network.conns.get(effect.conn)
-            if conn is not None:
-                self.learner_of[conn.id] = effect.learner
-                self.conn_of[effect.learner] = conn
-                body = {"learner": effect.learner, "layout": effect.layout, "versions": effect.versions,
-                        "global_step": effect.global_step, "needs_init": effect.needs_init}
-                self.network.send(conn, DOWN, Message("welcome", body, CONTROL_BYTES + 256))
-        elif isinstance(effect, SendRequest):
-            body = {"fragment": effect.fragment, "round": effect.round, "base_version": effect.base_version}
-            self._send(effect.learner, Message("request", body, CONTROL_BYTES))
+            body = {"learner": effect.learner, "layout": effect.layout, "versions": effect.versions,
+                    "global_step": effect.global_step, "needs_init": effect.needs_init}
+            message = Message("welcome", body, CONTROL_BYTES + 256)
         elif isinstance(effect, SendError):
             body = {"code": effect.code, "text": effect.text, "fatal": effect.fatal}
-            conn = self.network.conns.get(effect.conn) if effect.conn is not None else self.conn_of.get(effect.learner)
-            if conn is not None:
-                self.network.send(conn, DOWN, Message("error", body, CONTROL_BYTES + len(effect.text)))
-        elif isinstance(effect, SendUpdate):
-            self._send_update(effect)
-        elif isinstance(effect, ArmTimer):
-            fired = TimerFired(fragment=effect.fragment, round=effect.round)
-            self._later(effect.at - self.scheduler.now, "timer", lambda: self.handle(fired))
-        elif isinstance(effect, Drop):
-            conn = self.conn_of.get(effect.learner) if effect.learner is not None else self.network.conns.get(effect.conn)
-            if conn is not None:
-                self.network.close(conn, effect.reason)
-        elif isinstance(effect, WriteCheckpoint):
-            self._keep_checkpoint()
+            message = Message("error", body, CONTROL_BYTES + len(effect.text))
+        else:
+            body = {"fragment": effect.fragment, "round": effect.round, "base_version": effect.base_version}
+            message = Message("request", body, CONTROL_BYTES)
+        self.network.send(conn, DOWN, message)
 
-    def _send(self, learner: int, message: Message) -> None:
-        conn = self.conn_of.get(learner)
-        if conn is not None:
-            self.network.send(conn, DOWN, message)
-
-    def _send_update(self, effect: SendUpdate) -> None:
-        name, version, values = syncer.update_values(self.state, effect.fragment)
+    def send_update(self, conns: tuple[int, ...], fragment: int, name: str, version: int, values: np.ndarray) -> None:
         # The view is valid only until the next handle(): copy it, as the daemon copies it into frames.
         wire_bytes = values.nbytes
         values = kernels.from_bf16(values) if name == "bf16" else np.array(values, dtype=np.float32)
-        self.checker.sent(effect.fragment, version, name, values, self.scheduler.now)
-        body = {"fragment": effect.fragment, "version": version, "values": values}
-        for learner in effect.learners:
-            self._send(learner, Message("update", body, wire_bytes, bulk=True))
+        self.checker.sent(fragment, version, name, values, self.scheduler.now)
+        body = {"fragment": fragment, "version": version, "values": values}
+        for conn_id in conns:
+            conn = self.network.conns.get(conn_id)
+            if conn is not None:
+                self.network.send(conn, DOWN, Message("update", body, wire_bytes, bulk=True))
 
-    def _later(self, dt: float, label: str, fn) -> None:
-        incarnation = self.incarnation
+    def close(self, conn_id: int, reason: str) -> None:
+        conn = self.network.conns.get(conn_id)
+        if conn is not None:
+            self.network.close(conn, reason)
 
-        def run() -> None:
-            if self.up and self.incarnation == incarnation:
-                fn()
+    def wake(self, at: float, token: int) -> None:
+        self.scheduler.after(at - self.scheduler.now, "wake", lambda: self.shell.fire(token, self.scheduler.now))
 
-        self.scheduler.after(dt, label, run)
+    def write_checkpoint(self, state: syncer.SyncerState, reason: str) -> None:
+        self._keep_checkpoint()
+
+    def merged(self, effect: Merged) -> None:
+        pass  # the checker reads merges off the effects it observes
+
+    def log(self, effect: Log) -> None:
+        pass  # the trace shows every effect but the logs
 
     def _keep_checkpoint(self) -> None:
         """The daemon writes a checkpoint; here it is kept in memory (and shown to the checker)."""
@@ -187,9 +182,8 @@ class SimSyncer:
         self.network.syncer_up = False
         if not crash:
             self._keep_checkpoint()
-        self.incarnation += 1
-        self.learner_of.clear()
-        self.conn_of.clear()
+        self.shell.reset()  # forgets the connections and cancels the timers of this process
+        self._seen.clear()
         self.network.reset_all("syncer shutting down")
         how = "crashed" if crash else "stopped"
         self.trace(f"{self.scheduler.now:.6f} syncer {how} (checkpoint: {'kept' if self.checkpoint else 'none'})")
@@ -198,7 +192,7 @@ class SimSyncer:
         """A new daemon process with `--resume`: the state restored from the last checkpoint."""
         if self.up:
             return
-        self.state = checkpoint.restore(self.checkpoint) if self.checkpoint is not None else syncer.new_state(self.config)
+        self.shell.state = checkpoint.restore(self.checkpoint) if self.checkpoint is not None else syncer.new_state(self.config)
         self.up = True
         self.network.syncer_up = True
         self.restarts += 1

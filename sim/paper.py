@@ -6,7 +6,7 @@ cluster sizes in chips.
 
 from __future__ import annotations
 
-from ddiloco.core.sim.config import System
+from ddiloco.sim.config import System
 
 TABLE1_CHIPS: tuple[float, ...] = (150e3, 300e3, 600e3, 1.2e6, 2.4e6)
 TABLE1_MTBI_CHIP_YEARS = 1.0

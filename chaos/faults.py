@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from ddiloco.core.chaos.learner import LearnerProfile
-from ddiloco.core.chaos.network import LinkProfile
+from ddiloco.chaos.learner import LearnerProfile
+from ddiloco.chaos.network import LinkProfile
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.layout import TensorSpec

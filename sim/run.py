@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.core.sim import engine
-from ddiloco.core.sim.config import ClusterConfig, RunConfig, System, SystemConfig, Timings
-from ddiloco.core.sim.failures import draw_failures, slices_per_learner
+from ddiloco.sim import engine
+from ddiloco.sim.config import ClusterConfig, RunConfig, System, SystemConfig, Timings
+from ddiloco.sim.failures import draw_failures, slices_per_learner
 
 SPEED_MIN = 0.05  # a learner's relative speed is clipped here: a spread never makes one stop
 

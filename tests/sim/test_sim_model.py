@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from ddiloco.core import sim
-from ddiloco.core.sim import engine
-from ddiloco.core.sim.config import YEAR_S
-from ddiloco.core.sim.failures import draw_failures, slices_per_learner
+from ddiloco import sim
+from ddiloco.sim import engine
+from ddiloco.sim.config import YEAR_S
+from ddiloco.sim.failures import draw_failures, slices_per_learner
 
 TIMINGS = sim.Timings(restart_s=60.0, scale_down_s=20.0, scale_up_s=15.0, join_wait_s=120.0)
 REPAIR = sim.RepairTime(sim.RepairKind.EXPONENTIAL, 300.0)
@@ -124,7 +124,7 @@ def test_failure_stream_is_a_poisson_process_of_the_cluster_rate():
 
 @pytest.mark.parametrize("kind", list(sim.RepairKind))
 def test_repair_distributions_have_the_requested_mean(kind):
-    from ddiloco.core.sim.failures import sample_repair
+    from ddiloco.sim.failures import sample_repair
 
     draws = sample_repair(sim.RepairTime(kind, 300.0, 0.5), 200_000, np.random.default_rng(1))
     assert draws.min() > 0

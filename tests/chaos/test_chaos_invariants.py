@@ -6,7 +6,7 @@ change that a broken core could produce is fed to the checker, which must name t
 import numpy as np
 import pytest
 from ddiloco.core import checkpoint, codec, syncer
-from ddiloco.core.chaos.invariants import Checker
+from ddiloco.chaos.invariants import Checker
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import InitFragment, Join, Merged, Progress, Push, SendWelcome
 from ddiloco.core.grace import GraceConfig

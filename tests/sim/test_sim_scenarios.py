@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddiloco.core import sim
+from ddiloco import sim
 
 
 def test_mixed_without_noise_waits_for_the_slow_learners_exactly():

@@ -7,9 +7,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ddiloco.core.sim.config import ClusterConfig, RepairTime, RunConfig, SimConfigError, SystemConfig, Timings
-from ddiloco.core.sim.paper import TABLE1, TABLE1_CHIPS, TABLE1_MTBI_CHIP_YEARS, paper_goodput
-from ddiloco.core.sim.run import simulate
+from ddiloco.sim.config import ClusterConfig, RepairTime, RunConfig, SimConfigError, SystemConfig, Timings
+from ddiloco.sim.paper import TABLE1, TABLE1_CHIPS, TABLE1_MTBI_CHIP_YEARS, paper_goodput
+from ddiloco.sim.run import simulate
 
 SEEDS_MAX = 10_000
 

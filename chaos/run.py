@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from ddiloco.core import syncer
-from ddiloco.core.chaos.faults import ChaosConfig, Fault, Plan, draw_plan
-from ddiloco.core.chaos.invariants import Checker
-from ddiloco.core.chaos.learner import SimLearner
-from ddiloco.core.chaos.network import UP, Network, Scheduler
-from ddiloco.core.chaos.shell import SimSyncer
+from ddiloco.chaos.faults import ChaosConfig, Fault, Plan, draw_plan
+from ddiloco.chaos.invariants import Checker
+from ddiloco.chaos.learner import SimLearner
+from ddiloco.chaos.network import UP, Network, Scheduler
+from ddiloco.chaos.shell import SimSyncer
 from ddiloco.core.syncer import LearnerStatus
 
 TRACE_TAIL = 40  # lines of trace kept in a result
@@ -109,13 +109,13 @@ class World:
         return sum(learner.tokens_trained for learner in self.learners)
 
     def _counted(self, learner_id: int, p: int, version: int) -> int | None:
-        conn = self.syncer.conn_of.get(learner_id)
+        conn = self.syncer.connection_of(learner_id)
         if conn is None:
             return None
         return self.learners[conn.learner].counted.get((learner_id, p, version), 0)
 
     def _holds_all(self, learner_id: int) -> bool:
-        conn = self.syncer.conn_of.get(learner_id)
+        conn = self.syncer.connection_of(learner_id)
         if conn is None:
             return True  # not connected any more: nothing the learner could prove either way
         learner = self.learners[conn.learner]

@@ -5,8 +5,8 @@ Pure and deterministic: every run takes a seeded `numpy.random.Generator`; no cl
 docs/simulator.md.
 """
 
-from ddiloco.core.sim.calibration import CALIBRATED, Calibration, SearchSpace, search
-from ddiloco.core.sim.config import (
+from ddiloco.sim.calibration import CALIBRATED, Calibration, SearchSpace, search
+from ddiloco.sim.config import (
     ClusterConfig,
     RepairKind,
     RepairTime,
@@ -16,11 +16,11 @@ from ddiloco.core.sim.config import (
     SystemConfig,
     Timings,
 )
-from ddiloco.core.sim.grid import CellResult, run_cell, run_table1
-from ddiloco.core.sim.mixed import MixedConfig, PolicyResult, simulate_mixed
-from ddiloco.core.sim.paper import TABLE1, TABLE1_CHIPS, paper_goodput
-from ddiloco.core.sim.run import RunResult, simulate, warm_up
-from ddiloco.core.sim.scavenge import ScavengeConfig, ScavengeResult, scavenge
+from ddiloco.sim.grid import CellResult, run_cell, run_table1
+from ddiloco.sim.mixed import MixedConfig, PolicyResult, simulate_mixed
+from ddiloco.sim.paper import TABLE1, TABLE1_CHIPS, paper_goodput
+from ddiloco.sim.run import RunResult, simulate, warm_up
+from ddiloco.sim.scavenge import ScavengeConfig, ScavengeResult, scavenge
 
 __all__ = [
     "CALIBRATED",

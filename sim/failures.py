@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.core.sim.config import FAILURES_MAX, ClusterConfig, RepairKind, RepairTime, SimConfigError
+from ddiloco.sim.config import FAILURES_MAX, ClusterConfig, RepairKind, RepairTime, SimConfigError
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ real client's session bug (queued messages sent under a new learner id) is caugh
 
 import numpy as np
 import pytest
-from ddiloco.core.chaos.faults import FAULT_KINDS, ChaosConfig, draw_plan
-from ddiloco.core.chaos.run import run_seed
+from ddiloco.chaos.faults import FAULT_KINDS, ChaosConfig, draw_plan
+from ddiloco.chaos.run import run_seed
 
 CI_SEEDS = range(32)  # the bounded CI share; `ddiloco chaos-sim --seeds 0-999` runs a thousand
 
