@@ -7,22 +7,35 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+from ddiloco.net import tls
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="the syncer's HTTP address, e.g. http://127.0.0.1:8470")
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--tls-ca", type=Path, metavar="FILE",
+                   help="with an https:// URL: trust only the CA certificate(s) in this PEM file (default: the system's)")
 
 
 def run(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"URL must start with http:// or https://, got {args.url!r}")
+    if args.tls_ca is not None and not url.startswith("https://"):
+        raise ValueError(f"--tls-ca only applies to an https:// URL, got {args.url!r}")
+    context = tls.client_context(args.tls_ca) if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(f"{url}/status", timeout=args.timeout_s) as resp:
+        with urllib.request.urlopen(f"{url}/status", timeout=args.timeout_s, context=context) as resp:
             doc = json.loads(resp.read())
     except (urllib.error.URLError, OSError) as exc:
-        print(f"ddiloco status: cannot reach {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        reason = getattr(exc, "reason", exc)
+        if tls.is_certificate_error(reason if isinstance(reason, BaseException) else exc):
+            trust = f"the CA in {args.tls_ca}" if args.tls_ca else "the system's CAs (give --tls-ca FILE)"
+            print(f"ddiloco status: the certificate of {url} is not trusted by {trust}: {reason}", file=sys.stderr)
+            return 1
+        print(f"ddiloco status: cannot reach {url}: {reason}", file=sys.stderr)
         return 1
     json.dump(doc, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -40,6 +41,7 @@ class SyncConfig:
     url: str
     name: str
     token: str | None = None
+    ca_file: Path | None = None  # wss://: the CA certificate(s) the syncer's certificate must chain to (net.tls)
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
     # Error feedback (ours, core.codec): what compression lost from an outer gradient is added to the
@@ -96,7 +98,7 @@ class DilocoSync:
         try:
             self.client = transport if transport is not None else ThreadedClient(
                 ClientConfig(url=config.url, name=config.name, tensors=tensor_specs(params, is_embedding), token=config.token,
-                             peer_url=peer_url, progress_interval_s=config.progress_interval_s)
+                             ca_file=config.ca_file, peer_url=peer_url, progress_interval_s=config.progress_interval_s)
             )
             welcome = self.client.wait_welcome(config.welcome_timeout_s)
         except BaseException:
