@@ -56,7 +56,7 @@ def test_a_heterogeneous_job_syncer_on_cpu_learners_on_gpus():
 
 
 def test_restarts_by_requeue_with_the_log_kept_and_a_warning_before_the_time_limit():
-    components, options = directives()
+    components, _ = directives()
     job = as_dict(components[0])
     assert "--requeue" in job and job["--open-mode"] == "append"
     assert re.fullmatch(r"B:TERM@\d+", job["--signal"]), "the batch shell must hear of the time limit to stop cleanly"
