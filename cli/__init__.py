@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "snapshot": ("ddiloco.cli.snapshot", "take a consistent snapshot of a running syncer and its learners"),
     "demo": ("ddiloco.cli.demo", "the chaos demo: a syncer and learners surviving kills (needs the learner extra)"),
     "learner": ("ddiloco.cli.learner", "run one learner of the reference model (needs the learner extra)"),
+    "launch": ("ddiloco.cli.launch", "start a syncer and learners on a cluster engine: `launch ray` (needs the launch extra)"),
     "bench": ("ddiloco.cli.bench", "run a benchmark and print its table"),
     "replay": ("ddiloco.cli.replay", "replay a syncer's event tape and check it reproduces the run bit for bit"),
     "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),

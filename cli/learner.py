@@ -14,6 +14,8 @@ from ddiloco.cli import user_input
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--syncer", required=True, help="the syncer's websocket URL, e.g. ws://127.0.0.1:8470/ws")
     p.add_argument("--token-file", type=Path, help="file holding the shared bearer token")
+    p.add_argument("--tls-ca", type=Path, metavar="FILE",
+                   help="with a wss:// syncer: trust only the CA certificate(s) in this PEM file (default: the system's)")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--shard", default="0/1", help="I/N: this learner's share of the training data")
     p.add_argument("--name", help="learner name in the syncer's status (default: learner-I)")
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
             shard=shard,
             # The syncer is where a shared token file is refused; a learner reading one only warns.
             token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
+            ca_file=args.tls_ca,
             model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
             train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
             batch=args.batch,

@@ -38,6 +38,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("port", int, "port (0 picks a free one)", default=8470, bounds=(0, 65535)),
     Setting("auth-token-file", Path, "file holding the shared bearer token (mode 0600)", metavar="FILE"),
     Setting("allow-shared-token", bool, "accept a token file that group or others may read (with a warning)", default=False),
+    Setting("tls-cert", Path, "PEM certificate (chain) to serve https:// and wss:// with; needs tls-key", metavar="FILE"),
+    Setting("tls-key", Path, "PEM private key of tls-cert (keep it mode 0600)", metavar="FILE"),
     Setting("insecure-no-auth", bool, "serve without a token on an address other machines can reach", default=False),
     Setting("checkpoint-dir", Path, "where checkpoints are written", metavar="DIR"),
     Setting("init", Path, "initial parameters (a checkpoint file written by the learner side)", metavar="FILE"),
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             state = None
         token = read_token_file(v["auth_token_file"], allow_shared=v["allow_shared_token"]) if v["auth_token_file"] else None
         check_exposure(v["host"], token, v["insecure_no_auth"])
+        _check_tls(v)
     logging.basicConfig(level=v["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     log.info("config %s", orjson.dumps(effective(settings, config, resumed_from)).decode())
     held.replay()
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
             snapshot_dir=v["snapshot_dir"], snapshot_every_s=v["snapshot_every_s"], snapshot_wait_s_max=v["snapshot_wait_s"],
             run_id=store.run_of(resumed_from) if resumed_from is not None else None, checkpoint_overwrite=v["overwrite"],
+            tls_cert=v["tls_cert"], tls_key=v["tls_key"],
         )
     try:
         daemon = server.SyncerServer(state, server_config)
@@ -199,6 +203,16 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(daemon.serve_forever())
     # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
     return 0 if daemon.checkpoints.healthy else 1
+
+
+def _check_tls(v: dict[str, Any]) -> None:
+    """Refuse a half-given or unusable certificate now, before the kernels warm up for seconds."""
+    from ddiloco.net import tls
+
+    if (v["tls_cert"] is None) != (v["tls_key"] is None):
+        raise SettingsError("tls_cert and tls_key go together: give both or neither")
+    if v["tls_cert"] is not None:
+        tls.server_context(v["tls_cert"], v["tls_key"])
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:

@@ -31,10 +31,11 @@ log = logging.getLogger("ddiloco.learner")
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    syncer: str  # ws://host:port/ws
+    syncer: str  # ws://host:port/ws, or wss://
     name: str
     shard: data.Shard
     token: str | None = None
+    ca_file: Path | None = None  # wss://: trust only this CA (net.tls)
     model: reference.ModelConfig = field(default_factory=reference.ModelConfig)
     train: reference.TrainConfig = field(default_factory=reference.TrainConfig)
     batch: int = 16
@@ -96,7 +97,8 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     stream = data.batches(cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed))
     writer = LearnerTapeWriter.create(cfg.record, config_json(cfg)) if cfg.record is not None else None
     sync = DilocoSync.connect(
-        params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, codec=cfg.codec, peer=cfg.peer), tape=writer,
+        params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, ca_file=cfg.ca_file, codec=cfg.codec,
+                         peer=cfg.peer), tape=writer,
         **(replay.sync_arguments() if replay is not None else {}),
     )
     joined = time.monotonic()

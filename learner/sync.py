@@ -25,6 +25,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, NamedTuple, Self
 
 import jax
@@ -63,6 +64,7 @@ class SyncConfig:
     url: str
     name: str
     token: str | None = None
+    ca_file: Path | None = None  # wss://: the CA certificate(s) the syncer's certificate must chain to (net.tls)
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
     # Error feedback (ours, core.codec): what compression lost from an outer gradient is added to the
@@ -200,7 +202,8 @@ class DilocoSync:
         tensors = tensor_specs(self._initial, self.is_embedding)
         peer_url = self.peer_server.url if self.peer_server else ""
         self.client = ThreadedClient(ClientConfig(url=config.url, name=config.name, tensors=tensors, token=config.token,
-                                                  peer_url=peer_url, progress_interval_s=config.progress_interval_s))
+                                                  ca_file=config.ca_file, peer_url=peer_url,
+                                                  progress_interval_s=config.progress_interval_s))
         return self.client
 
     def _joined(self) -> tuple[Transport, TreeFragments, Layout]:

@@ -23,13 +23,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.errors import FaultError, UserError
-from ddiloco.net import session, wire
+from ddiloco.net import session, tls, wire
 
 log = logging.getLogger("ddiloco.client")
 
@@ -55,10 +56,13 @@ class ClientConfigError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class ClientConfig:
-    url: str  # ws://host:port/ws
+    url: str  # ws://host:port/ws, or wss:// for a syncer serving TLS
     name: str
     tensors: tuple[TensorSpec, ...]
     token: str | None = None
+    # wss://: trust only the CA certificate(s) in this PEM file (a self-signed syncer, a private CA);
+    # None: the system's CAs (net.tls)
+    ca_file: Path | None = None
     peer_url: str = ""  # advertised in the hello: where this learner serves its state (net.peer)
     reconnect_s_min: float = 0.05
     reconnect_s_max: float = 5.0
@@ -83,6 +87,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
             raise ClientConfigError(f"syncer URL must start with ws:// or wss://, got {self.url!r}")
+        if self.ca_file is not None and not self.url.startswith("wss://"):
+            raise ClientConfigError(f"a TLS CA file only applies to a wss:// syncer URL, got {self.url!r}")
         if not 0 < self.reconnect_s_min <= self.reconnect_s_max:
             raise ClientConfigError("need 0 < reconnect_s_min <= reconnect_s_max")
         if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
@@ -113,6 +119,8 @@ class Inbox:
 class SyncerClient:
     def __init__(self, config: ClientConfig, rng: random.Random | None = None):
         self.config = config
+        # Made once, here: a CA file that cannot be used fails the start, not every reconnect.
+        self._ssl = tls.client_context(config.ca_file) if config.url.startswith("wss://") else None
         self.inbox = Inbox()
         self.refused: SyncerRefused | None = None
         self.connected = asyncio.Event()
@@ -240,11 +248,16 @@ class SyncerClient:
             try:
                 ws = await http.ws_connect(
                     self.config.url, headers=headers, max_msg_size=self.config.wire.max_msg_size,
-                    heartbeat=self.config.heartbeat_s
+                    heartbeat=self.config.heartbeat_s, ssl=self._ssl if self._ssl is not None else True,
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 401:
                     raise SyncerRefused(f"syncer at {self.config.url} refused the token (HTTP 401)") from exc
+                raise
+            except aiohttp.ClientSSLError as exc:
+                if tls.is_certificate_error(exc):  # configuration, not the network: retrying cannot mend it
+                    trust = f"the CA in {self.config.ca_file}" if self.config.ca_file else "the system's CAs (give a CA file)"
+                    raise SyncerRefused(f"the certificate of the syncer at {self.config.url} is not trusted by {trust}: {exc}") from exc
                 raise
             async with ws:
                 self.inbox.connects += 1
@@ -406,14 +419,24 @@ class ThreadedClient:
         self._welcome: session.WelcomeInfo | None = None  # the latest the caller has seen: its round schedule
         self._markers: list[int] = []  # collected by `_take` on the loop, given out by `take_markers`
         self._taken: tuple[int, tuple] | None = None  # (inbox deliveries, welcomes) as of the last `_take`
+        self._failed: BaseException | None = None  # the client could not be made (a CA file that is unusable)
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if self._failed is not None:
+            self._thread.join()
+            raise self._failed
 
     def _main(self, config: ClientConfig) -> None:
         asyncio.set_event_loop(self._loop)
-        self._client = SyncerClient(config)
-        self._ready.set()
+        try:
+            self._client = SyncerClient(config)
+        except Exception as exc:  # noqa: BLE001 - handed to the constructor's caller, which raises it
+            self._failed = exc
+            self._loop.close()
+            return
+        finally:
+            self._ready.set()
         try:
             self._loop.run_until_complete(self._client.run())
         finally:

@@ -28,7 +28,7 @@ from ddiloco.core import syncer as core
 from ddiloco.core.events import Disconnect
 from ddiloco.core.vclock import VClock
 from ddiloco.net import messages as msg
-from ddiloco.net import recording, session, store, wire
+from ddiloco.net import recording, session, store, tls, wire
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.checkpoints import Checkpoints
 from ddiloco.net.connection import QueueLimits
@@ -70,8 +70,13 @@ class ServerConfig:
     snapshot_every_s: float = 0.0  # 0: only on request
     snapshot_wait_s_max: float = snapshots.WAIT_S_MAX_DEFAULT
     snapshots_kept: int = snapshots.SNAPSHOTS_KEPT_DEFAULT
+    # PEM files: with both, the daemon serves https:// and wss:// only (net.tls)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.snapshot_every_s < 0 or self.snapshot_wait_s_max <= 0 or self.snapshots_kept < 1:
             raise ValueError("snapshot_every_s must be >= 0, snapshot_wait_s_max and snapshots_kept positive")
         if self.snapshot_every_s and self.snapshot_dir is None:
@@ -157,16 +162,18 @@ class SyncerServer:
         return app
 
     async def start(self) -> int:
+        # Made before anything starts: a certificate that cannot be used fails the start, never a handshake.
+        ssl_context = tls.server_context(self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
         self.sessions.loop = asyncio.get_running_loop()
         self.core.start()
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # the port the OS chose for port 0
         if self.config.snapshot_every_s:
             self._spawn(self._snapshot_timer())
-        log.info("syncer listening on %s:%d", self.config.host, self.port)
+        log.info("syncer listening on %s:%d%s", self.config.host, self.port, " (TLS: https, wss)" if ssl_context else "")
         return self.port
 
     async def stop(self, *, checkpoint: bool = True) -> None:

@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "reference": {"errors", "kernels", "core"},
     "demo": _BELOW_DEMO,
     "experiments": _BELOW_DEMO | {"demo"},
+    "launch": {"errors", "kernels", "core", "net"},  # starts the commands, never imports the learner side
     "cli": ANYTHING,
     "bench": ANYTHING,
 }
@@ -48,6 +49,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "chaos": _PURE,  # deterministic: it runs the real core on a virtual clock from a seed
     "net": {"jax", "optax", "torch"},
     "learner": {"torch"},  # the learner library is JAX's
+    "launch": {"jax", "optax", "torch"},  # runs on the head node too, which need not have the learner extra
 }
 
 

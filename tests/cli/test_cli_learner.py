@@ -3,6 +3,7 @@
 import json
 import math
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -55,3 +56,27 @@ def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
     finally:
         syncer.send_signal(signal.SIGTERM)
         syncer.wait(60)
+
+
+def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(tmp_path, start_syncer, self_signed_cert):
+    cert, key = self_signed_cert
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "2", "--period", "2", "--tls-cert", str(cert), "--tls-key", str(key))
+    drain(syncer, log)
+    url = f"wss://127.0.0.1:{port}/ws"
+    common = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", url, "--token-file", str(tmp_path / "token"),
+              "--batch", "4", "--cache-dir", str(tmp_path / "jax")]
+    try:
+        refused = subprocess.run([*common, "--steps", "5"], capture_output=True, text=True, timeout=300, check=False)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert f"the certificate of the syncer at {url} is not trusted by the system's CAs" in refused.stderr
+        trained = subprocess.run([*common, "--steps", "30", "--tls-ca", str(cert)], capture_output=True, text=True,
+                                 timeout=300, check=False)
+        assert trained.returncode == 0, trained.stderr[-2000:]
+        summary = json.loads(trained.stdout.strip().splitlines()[-1])
+        assert summary["last_step"] >= 30 and summary["applied"] > 0 and math.isfinite(summary["loss"])
+        context = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/status", timeout=5, context=context) as r:
+            assert json.loads(r.read())["merges"] > 0
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(60) == 0

@@ -197,3 +197,41 @@ def test_resume_continues_the_same_run(tmp_path, start_syncer):
     assert proc.wait(30) == 0  # with a last checkpoint, of the same run
     state, newest = store.newest_valid(tmp_path / "ck")
     assert newest != old and store.run_of(newest) == "aaaaaaaaaaaaaaaa" and state.merges == 500
+
+
+def test_tls_syncer_serves_https_and_status_needs_the_ca(tmp_path, start_syncer, self_signed_cert):
+    cert, key = self_signed_cert
+    proc, port, lines = start_syncer(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        assert "(TLS: https, wss)" in lines[-1]
+        assert json.loads(lines[0].split("config ", 1)[1])["sources"]["tls_cert"] == "flag --tls-cert"
+        url = f"https://127.0.0.1:{port}"
+        status = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", url, "--tls-ca", str(cert)],
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["merges"] == 0
+        untrusted = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", url], capture_output=True, text=True,
+                                   timeout=60, check=False)
+        assert untrusted.returncode == 1 and "Traceback" not in untrusted.stderr
+        assert f"the certificate of {url} is not trusted by the system's CAs (give --tls-ca FILE)" in untrusted.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize(
+    "which, message",
+    [
+        ("cert only", "tls_cert and tls_key go together: give both or neither"),
+        ("missing key", "cannot read the TLS key missing.key: No such file or directory"),
+        ("swapped", "cannot be used together"),
+    ],
+)
+def test_bad_tls_files_get_one_clear_line(tmp_path, self_signed_cert, which, message):
+    cert, key = self_signed_cert
+    args = {
+        "cert only": ["--tls-cert", str(cert)],
+        "missing key": ["--tls-cert", str(cert), "--tls-key", "missing.key"],
+        "swapped": ["--tls-cert", str(key), "--tls-key", str(cert)],
+    }[which]
+    assert message in _refusal(tmp_path, args)

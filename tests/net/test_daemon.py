@@ -65,8 +65,8 @@ class Syncer:
 class Learner:
     """A minimal learner over the real client: answers requests with small random outer gradients."""
 
-    def __init__(self, url, name, tensors=TENSORS, token=TOKEN, seed=0):
-        self.client = SyncerClient(ClientConfig(url=url, name=name, tensors=tensors, token=token, wire=SMALL))
+    def __init__(self, url, name, tensors=TENSORS, token=TOKEN, seed=0, ca_file=None):
+        self.client = SyncerClient(ClientConfig(url=url, name=name, tensors=tensors, token=token, wire=SMALL, ca_file=ca_file))
         self.rng = np.random.default_rng(seed)
         self.versions = None
         self.step = 0
@@ -567,3 +567,74 @@ async def test_backoff_starts_short_again_after_a_connection_that_worked(tmp_pat
     assert "about 0.01 s" in retries()[before]  # a new outage: the short delay again
     await client.close()
     await asyncio.wait_for(task, 10)
+
+
+# ---- TLS (net.tls) ------------------------------------------------------------------------------------
+
+
+async def _tls_syncer(tmp_path, cert, key):
+    state = syncer.new_state(SyncerConfig(num_fragments=2, period=2))
+    config = ServerConfig(auth_token=TOKEN, checkpoint_dir=tmp_path / "ckpt", wire=SMALL, tls_cert=cert, tls_key=key)
+    server = SyncerServer(state, config)
+    await server.start()
+    return server
+
+
+async def test_tls_learners_join_over_wss_and_their_pushes_merge(tmp_path, self_signed_cert):
+    cert, key = self_signed_cert
+    server = await _tls_syncer(tmp_path, cert, key)
+    url = f"wss://127.0.0.1:{server.port}/ws"
+    a = Learner(url, "a", seed=1, ca_file=cert)
+    assert (await a.welcome()).needs_init
+    b = Learner(url, "b", seed=2, ca_file=cert)
+    await b.welcome()
+    await until(lambda: server.state.holds_parameters, what="initial parameters")
+    await train(server, [a, b], 12)
+    await until(lambda: server.state.merges >= 2, what="merges over wss")
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(cert))
+    async with aiohttp.ClientSession() as http:
+        status = await (await http.get(f"https://127.0.0.1:{server.port}/status", ssl=context)).json()
+        with pytest.raises(aiohttp.ClientError):  # plain http:// to a TLS port gets no answer it can read
+            await http.get(f"http://127.0.0.1:{server.port}/healthz")
+    assert status["merges"] >= 2 and {l["status"] for l in status["learners"]} == {"live"}
+    await a.stop()
+    await b.stop()
+    await server.stop()
+
+
+async def test_tls_a_client_without_the_ca_is_refused_with_a_clear_error_not_retried(tmp_path, self_signed_cert):
+    cert, key = self_signed_cert
+    server = await _tls_syncer(tmp_path, cert, key)
+    url = f"wss://127.0.0.1:{server.port}/ws"
+    stranger = Learner(url, "x")  # trusts the system's CAs only, which never signed this certificate
+    with pytest.raises(SyncerRefused, match="certificate of the syncer .* is not trusted by the system's CAs"):
+        await stranger.welcome()
+    assert stranger.client.inbox.connects == 0 and not server.sessions.conns
+    await stranger.stop()
+    plain = Learner(f"ws://127.0.0.1:{server.port}/ws", "y")  # ws:// to a wss:// syncer: a network fault, retried
+    await until(lambda: plain.client.last_error is not None, what="a failed plain connection")
+    assert plain.client.refused is None and plain.client.inbox.connects == 0
+    await plain.stop()
+    await server.stop()
+
+
+async def test_tls_unusable_files_are_refused_with_their_names(tmp_path, self_signed_cert):
+    cert, key = self_signed_cert
+    from ddiloco.net.tls import TlsConfigError
+
+    with pytest.raises(ValueError, match="give both or neither"):
+        ServerConfig(tls_cert=cert)
+    with pytest.raises(TlsConfigError, match="No such file or directory"):
+        await _tls_syncer(tmp_path, cert, tmp_path / "missing.key")
+    with pytest.raises(TlsConfigError, match="cannot be used together"):
+        await _tls_syncer(tmp_path, key, cert)  # swapped
+    with pytest.raises(TlsConfigError, match="holds no usable certificate"):
+        SyncerClient(ClientConfig(url="wss://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=key))
+    from ddiloco.net.client import ThreadedClient
+
+    with pytest.raises(TlsConfigError, match="No such file or directory"):  # raised to the caller, from the client's thread
+        ThreadedClient(ClientConfig(url="wss://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=tmp_path / "none.pem"))
+    with pytest.raises(ValueError, match="only applies to a wss://"):
+        ClientConfig(url="ws://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=cert)
