@@ -55,3 +55,24 @@ def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
     finally:
         syncer.send_signal(signal.SIGTERM)
         syncer.wait(60)
+
+
+def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_both_sides(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "16", "--period", "16")  # the reference model: 15 tensors
+    drain(syncer, log)
+    try:
+        refused = subprocess.run(
+            [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--token-file",
+             str(tmp_path / "token"), "--name", "small", "--steps", "5", "--cache-dir", str(tmp_path / "jax")],
+            capture_output=True, text=True, timeout=300,
+        )
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(60) == 0
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    said = [line for line in refused.stderr.splitlines() if line.startswith("ddiloco learner:")]
+    assert said == [f"ddiloco learner: the syncer at ws://127.0.0.1:{port}/ws refused this learner (bad_layout): "
+                    "the syncer splits the model into 16 fragments but it has 15 tensors: "
+                    "start the syncer with --fragments 15 or fewer"]
+    (warned,) = [line for line in log if "WARNING" in line and "refused learner" in line]
+    assert "'small'" in warned and "15 tensors" in warned and "--fragments 15 or fewer" in warned, log
