@@ -1,7 +1,8 @@
 """One learner process: the reference model on its own data shard, synchronised with the syncer.
 
 Readable top to bottom, in the spirit of a small `train.py`: build the model, connect, then loop
-(inner AdamW step, sync hook) until the global step budget is spent. A learner that is killed and
+(inner AdamW step, sync hook) until this learner has taken its budget of steps (its own steps: a
+learner that joins late, after others have spent theirs, still trains that many). A learner that is killed and
 started again rejoins by itself: it copies parameters, AdamW state and step from a live peer that
 holds the syncer's current versions (or, failing that, takes the syncer's fragments and a fresh
 optimizer state), with weight 0 until it holds every fragment.
@@ -40,7 +41,10 @@ class LearnerConfig:
     batch: int = 16
     seed: int = 0
     codec: str = "int4"
-    steps_total: int = 200  # stop once the step count (continued from the syncer's) reaches this
+    # Stop after this many steps of this process. Not the global step, which a learner joining late
+    # continues from: counted that way, one joining after the others had spent the budget trained
+    # nothing and ended with its random initialisation.
+    steps_total: int = 200
     speed: float = 1.0  # < 1 makes this learner slower (sleeps after each step)
     log_file: Path | None = None  # JSON lines: step, loss, versions, tokens
     cache_dir: Path | None = None
@@ -84,7 +88,7 @@ def _start_state(cfg: LearnerConfig, sync: DilocoSync, params: Any, opt_state: A
 
 
 def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
-    """Train until the step budget is spent; returns a small summary. `replay` (demo.replay)
+    """Train `cfg.steps_total` steps (fewer when stopped); returns a small summary. `replay` (demo.replay)
     re-executes a recorded run instead: it stands in for the syncer and the peers, and says when the
     recorded run stopped."""
     reference.enable_compilation_cache(cfg.cache_dir)
@@ -107,7 +111,7 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     started, steps, ce, ce_array = time.monotonic(), 0, float("nan"), None
     stop = _stop_on_sigterm()
     try:
-        while sync.step_count < cfg.steps_total and not stop and not (replay and replay.done(sync.calls)):
+        while steps < cfg.steps_total and not stop and not (replay and replay.done(sync.calls)):
             t0 = time.perf_counter()
             x, y = next(stream)
             params, opt_state, ce_array = train_step(params, opt_state, x, y)

@@ -76,3 +76,28 @@ def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_
                     "start the syncer with --fragments 15 or fewer"]
     (warned,) = [line for line in log if "WARNING" in line and "refused learner" in line]
     assert "'small'" in warned and "15 tensors" in warned and "--fragments 15 or fewer" in warned, log
+
+
+def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "4", "--period", "4")
+    drain(syncer, log)
+    steps = 30
+    try:
+        first = learner(port, tmp_path, "0/2", steps=steps)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err[-2000:]
+        spent = json.loads(out.strip().splitlines()[-1])
+        assert spent["steps"] == steps and spent["last_step"] >= steps
+        late = learner(port, tmp_path, "1/2", steps=steps)  # joins at the global step the first one left
+        out, err = late.communicate(timeout=300)
+        assert late.returncode == 0, err[-2000:]
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(60) == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == steps and summary["last_step"] >= spent["last_step"] + steps
+    # Trained, not its random initialisation: it took the syncer's state (every fragment), merged
+    # versions of its own pushes arrived, and its loss is well below a uniform guess over the
+    # 256 byte values (ln 256 = 5.55, where a freshly initialised model starts).
+    assert summary["recovered_from"] == "syncer" and summary["caught_up_s"] is not None and summary["applied"] > 4
+    assert summary["loss"] < math.log(256) - 1.0, summary
