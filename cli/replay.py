@@ -89,13 +89,14 @@ def _syncer_only(args: argparse.Namespace) -> dict:
         return {**_result_json(result), "divergence_text": str(result.divergence)}
     inner = _syncer_tapes_under(args.tape_dir, TAPE_FILE)
     if not inner:
-        raise NotASyncerTape(f"{args.tape_dir} holds no syncer tape ({TAPE_FILE}, itself or in a subfolder): give a "
-                             "directory written by `ddiloco syncer --record DIR`, or `ddiloco demo --record DIR` with --full")
+        raise NotASyncerTape(f"{args.tape_dir} holds no syncer tape ({TAPE_FILE}, itself or in a subfolder): "
+                             "give a directory written by `ddiloco syncer --record DIR`, "
+                             "or `ddiloco demo --record DIR` with --full")
     tapes = [(d.name, recording.read(d)) for d in inner]
     if not all(t.header.get("keep_payloads", True) for _, t in tapes):
         # Checked before replaying anything: the answer is the same whichever tape comes first.
-        raise NotASyncerTape(f"{args.tape_dir} is a recorded demo: its syncer tapes keep no payloads (the learners' tapes "
-                             f"make them again), so replay it whole with `ddiloco replay {args.tape_dir} --full`")
+        raise NotASyncerTape(f"{args.tape_dir} is a recorded demo: its syncer tapes keep no payloads (the learners' "
+                             f"tapes make them again), so replay it whole with `ddiloco replay {args.tape_dir} --full`")
     which = "tape in" if len(tapes) == 1 else "tapes in"
     print(f"{args.tape_dir}: replaying the syncer {which} {', '.join(n + '/' for n, _ in tapes)} "
           "(--full re-executes the learners too)")
