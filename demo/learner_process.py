@@ -71,9 +71,26 @@ def _compile(train_step: Any, params: Any, opt_state: Any, cfg: LearnerConfig) -
     """Compile the step before joining: a learner that joins and then compiles for seconds is asked
     for fragments it cannot answer, and on shared cores the compiles of its peers starve the one
     that is training (measured: an 18 s gap between merges at the demo's start). The result of this
-    step on a zero batch is thrown away; parameters, optimizer state and data are untouched."""
+    step on a zero batch is thrown away; parameters, optimizer state and data are untouched.
+
+    Said before and after, in the log and in the JSON lines (the demo's live view shows the
+    learner as compiling): the compile takes seconds to tens of seconds on a loaded machine, and a
+    learner silent that long looks stuck."""
+    log.info("compiling the training step (the syncer hears of this learner after it)")
+    _phase(cfg.log_file, {"phase": "compiling"})
+    started = time.monotonic()
     zeros = np.zeros((cfg.batch, cfg.model.seq), dtype=np.int32)
     jax.block_until_ready(train_step(params, opt_state, zeros, zeros))
+    seconds = time.monotonic() - started
+    log.info("compiled in %.1f s; joining the syncer at %s", seconds, cfg.syncer)
+    _phase(cfg.log_file, {"phase": "compiled", "seconds": round(seconds, 3)})
+
+
+def _phase(log_file: Path | None, record: dict) -> None:
+    """A line of the JSON log that is not a step's: what the process is doing (demo.supervisor.LossLog)."""
+    if log_file is not None:
+        with open(log_file, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
 
 def _start_state(cfg: LearnerConfig, sync: DilocoSync, params: Any, opt_state: Any) -> tuple[Any, Any]:

@@ -9,9 +9,10 @@ import threading
 import urllib.request
 
 
-def learner(port, tmp_path, shard, steps=100, token=True):
+def learner(port, tmp_path, shard, steps=100, token=True, *extra):
     args = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--shard", shard,
-            "--steps", str(steps), "--batch", "4", "--speed", "0.25", "--cache-dir", str(tmp_path / "jax"), "--seed", shard[0]]
+            "--steps", str(steps), "--batch", "4", "--speed", "0.25", "--cache-dir", str(tmp_path / "jax"),
+            "--seed", shard[0], *extra]
     if token:
         args += ["--token-file", str(tmp_path / "token")]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -88,7 +89,8 @@ def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(t
         assert first.returncode == 0, err[-2000:]
         spent = json.loads(out.strip().splitlines()[-1])
         assert spent["steps"] == steps and spent["last_step"] >= steps
-        late = learner(port, tmp_path, "1/2", steps=steps)  # joins at the global step the first one left
+        # joins at the global step the first one left
+        late = learner(port, tmp_path, "1/2", steps, True, "--log-file", str(tmp_path / "late.jsonl"))
         out, err = late.communicate(timeout=300)
         assert late.returncode == 0, err[-2000:]
     finally:
@@ -101,3 +103,8 @@ def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(t
     # 256 byte values (ln 256 = 5.55, where a freshly initialised model starts).
     assert summary["recovered_from"] == "syncer" and summary["caught_up_s"] is not None and summary["applied"] > 4
     assert summary["loss"] < math.log(256) - 1.0, summary
+    # What it did before its first step, said as it happened: in its log, and in its JSON lines
+    assert err.index("compiling the training step") < err.index("compiled in ")
+    lines = [json.loads(line) for line in (tmp_path / "late.jsonl").read_text().splitlines()]
+    assert lines[0] == {"phase": "compiling"} and lines[1]["phase"] == "compiled" and lines[1]["seconds"] > 0
+    assert all("step" in line for line in lines[2:]) and len(lines[2:]) == steps // 5
