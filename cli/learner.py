@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--shard", default="0/1", help="I/N: this learner's share of the training data")
     p.add_argument("--name", help="learner name in the syncer's status (default: learner-I)")
-    p.add_argument("--steps", type=int, default=200, help="global step budget (default 200)")
+    p.add_argument("--steps", type=int, default=200,
+                   help="steps this learner trains (default 200), its own: a learner that joins late, after "
+                        "the others have spent theirs, still trains this many (the syncer's global step, which "
+                        "it continues, does not count against them)")
     p.add_argument("--schedule-steps", type=int,
                    help="length of the learning-rate schedule in steps (default: --steps); past it the rate stays at its floor")
     p.add_argument("--batch", type=int, default=16)

@@ -9,6 +9,11 @@ the file itself is left as it is.
 `ddiloco replay DIR --full` takes a whole run recorded by `ddiloco demo --record DIR`: it trains
 every learner again in this process, following its tape, and replays the syncer's tape(s) with the
 pushes the learners made again (demo.replay). Same exit statuses.
+
+Without `--full`, a directory that holds no tape itself but syncer tapes in subfolders (a demo's
+`syncer/`, `syncer.2/`...) has those replayed, one after the other, when they kept their payloads;
+a demo's did not (it records them with `--record-no-payloads`), and the answer is one line that
+says to use `--full`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+from ddiloco.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,13 +72,52 @@ def _print_syncer(result, name: str = "") -> None:
     print(f"{prefix}final state hash {result.state_hash[:16]} ({final})")
 
 
+class NotASyncerTape(UserError):
+    """A directory given to `ddiloco replay` without --full that holds no syncer tape it can replay."""
+
+
 def _syncer_only(args: argparse.Namespace) -> dict:
     from ddiloco.core import replay
+    from ddiloco.core.tape import TAPE_FILE
     from ddiloco.net import recording
 
-    result = replay.replay(recording.read(args.tape_dir))
-    _print_syncer(result)
-    return {**_result_json(result), "divergence_text": str(result.divergence)}
+    if not args.tape_dir.is_dir():
+        raise NotASyncerTape(f"{args.tape_dir} is not a directory: a tape is the directory `--record DIR` wrote")
+    if (args.tape_dir / TAPE_FILE).is_file():
+        result = replay.replay(recording.read(args.tape_dir))
+        _print_syncer(result)
+        return {**_result_json(result), "divergence_text": str(result.divergence)}
+    inner = _syncer_tapes_under(args.tape_dir, TAPE_FILE)
+    if not inner:
+        raise NotASyncerTape(f"{args.tape_dir} holds no syncer tape ({TAPE_FILE}, itself or in a subfolder): "
+                             "give a directory written by `ddiloco syncer --record DIR`, "
+                             "or `ddiloco demo --record DIR` with --full")
+    tapes = [(d.name, recording.read(d)) for d in inner]
+    if not all(t.header.get("keep_payloads", True) for _, t in tapes):
+        # Checked before replaying anything: the answer is the same whichever tape comes first.
+        raise NotASyncerTape(f"{args.tape_dir} is a recorded demo: its syncer tapes keep no payloads (the learners' "
+                             f"tapes make them again), so replay it whole with `ddiloco replay {args.tape_dir} --full`")
+    which = "tape in" if len(tapes) == 1 else "tapes in"
+    print(f"{args.tape_dir}: replaying the syncer {which} {', '.join(n + '/' for n, _ in tapes)} "
+          "(--full re-executes the learners too)")
+    results = []
+    for name, tape in tapes:
+        results.append((name, replay.replay(tape)))
+        _print_syncer(results[-1][1], name)
+    diverged = [f"{name}: {r.divergence}" for name, r in results if not r.ok]
+    return {"ok": not diverged, "state_hash": results[-1][1].state_hash,
+            "divergence_text": diverged[0] if diverged else "None", "syncers": {n: _result_json(r) for n, r in results}}
+
+
+def _syncer_tapes_under(directory: Path, tape_file: str) -> list[Path]:
+    """Subfolders holding a syncer tape, in the order a demo writes them: syncer/, syncer.2/, ..."""
+    found = [p for p in directory.glob("*") if (p / tape_file).is_file()] if directory.is_dir() else []
+
+    def order(p: Path) -> tuple[str, int]:
+        stem, _, number = p.name.partition(".")
+        return stem, int(number) if number.isdigit() else 1
+
+    return sorted(found, key=order)
 
 
 def _full(args: argparse.Namespace) -> dict:

@@ -34,6 +34,17 @@ class LayoutError(UserError, ValueError):
     """A tensor list or layout request that cannot be laid out; the message says what is wrong."""
 
 
+class TooManyFragments(LayoutError):
+    """More fragments asked for than the model has tensors (or layers, for the layer strategy) to
+    fill them. Carries the numbers, so that whoever chose P can be told what to choose instead."""
+
+    def __init__(self, strategy: str, fragments: int, parts: int, unit: str) -> None:
+        super().__init__(f"{strategy} strategy: {fragments} fragments but only {parts} {unit}")
+        self.fragments = fragments  # P asked for
+        self.parts = parts  # what there is to deal out: the most fragments this model can have
+        self.unit = unit  # "tensors" or "layers"
+
+
 class Strategy(str, enum.Enum):
     LAYER = "layer"
     TENSOR = "tensor"
@@ -230,14 +241,14 @@ def _fragment(index: int, members: Sequence[TensorSpec], block: int) -> Fragment
 def _assign_tensor(tensors: list[TensorSpec], p: int) -> list[list[TensorSpec]]:
     ordered = sorted(tensors, key=_tensor_key)
     if p > len(ordered):
-        raise LayoutError(f"tensor strategy: {p} fragments but only {len(ordered)} tensors")
+        raise TooManyFragments("tensor", p, len(ordered), "tensors")
     return [ordered[i::p] for i in range(p)]
 
 
 def _assign_balanced(tensors: list[TensorSpec], p: int) -> list[list[TensorSpec]]:
     """LPT greedy: largest tensor first into the lightest fragment; ties by path, then lowest index."""
     if p > len(tensors):
-        raise LayoutError(f"balanced strategy: {p} fragments but only {len(tensors)} tensors")
+        raise TooManyFragments("balanced", p, len(tensors), "tensors")
     ordered = sorted(tensors, key=lambda t: (-t.size, _natural_key(t.path)))
     loads = [0] * p
     groups: list[list[TensorSpec]] = [[] for _ in range(p)]
@@ -265,7 +276,7 @@ def _assign_layer(tensors: list[TensorSpec], p: int) -> list[list[TensorSpec]]:
         by_layer.setdefault(_layer_key(t.path), []).append(t)
     layers = sorted(by_layer, key=_natural_key)
     if p > len(layers):
-        raise LayoutError(f"layer strategy: {p} fragments but only {len(layers)} layers")
+        raise TooManyFragments("layer", p, len(layers), "layers")
     groups: list[list[TensorSpec]] = [[] for _ in range(p)]
     for g, name in enumerate(layers):
         groups[g * p // len(layers)].extend(by_layer[name])

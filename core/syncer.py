@@ -50,7 +50,7 @@ from ddiloco.core.events import (
     WriteCheckpoint,
 )
 from ddiloco.core.grace import Timing, grace_seconds, observe
-from ddiloco.core.layout import Layout, LayoutError, build_layout
+from ddiloco.core.layout import Layout, LayoutError, TooManyFragments, build_layout
 from ddiloco.core.ledger import Ledger
 from ddiloco.core.merge import Contribution, merge_round
 from ddiloco.core.schedule import Schedule
@@ -189,22 +189,27 @@ def handle(state: SyncerState, event: Event, now: float) -> tuple[SyncerState, l
 def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> None:
     cfg = state.config
     if ev.protocol != PROTOCOL_VERSION:
-        out.append(SendError("protocol_version", f"syncer speaks protocol {PROTOCOL_VERSION}, learner {ev.protocol}", True, conn=ev.conn))
-        out.append(Drop(None, ev.conn, "protocol version"))
+        text = f"syncer speaks protocol {PROTOCOL_VERSION}, learner {ev.protocol}"
+        _refuse_join(ev, "protocol_version", text, "protocol version", out)
         return
     if len(state.connected()) >= cfg.learners_max:
-        out.append(SendError("overloaded", f"syncer already serves {cfg.learners_max} learners", True, conn=ev.conn))
-        out.append(Drop(None, ev.conn, "learners_max"))
+        _refuse_join(ev, "overloaded", f"syncer already serves {cfg.learners_max} learners", "learners_max", out)
         return
     try:
         theirs = build_layout(ev.tensors, cfg.num_fragments, cfg.strategy, cfg.block)
+    except TooManyFragments as exc:
+        # The one layout error a user meets by configuration alone (the README's --fragments 8 and a
+        # small model): say which setting to change, on both sides. Refused rather than adapted: P
+        # is fixed for the run (schedule, checkpoints, every other learner), docs/learner.md.
+        text = (f"the syncer splits the model into {exc.fragments} fragments but it has {exc.parts} {exc.unit}: "
+                f"start the syncer with --fragments {exc.parts} or fewer")
+        _refuse_join(ev, "bad_layout", text, "bad layout", out)
+        return
     except LayoutError as exc:
-        out.append(SendError("bad_layout", f"cannot lay out the learner's tensors: {exc}", True, conn=ev.conn))
-        out.append(Drop(None, ev.conn, "bad layout"))
+        _refuse_join(ev, "bad_layout", f"cannot lay out the learner's tensors: {exc}", "bad layout", out)
         return
     if state.layout is not None and theirs.digest != state.layout.digest:
-        out.append(SendError("bad_layout", _layout_difference(state.layout, theirs), True, conn=ev.conn))
-        out.append(Drop(None, ev.conn, "layout mismatch"))
+        _refuse_join(ev, "bad_layout", _layout_difference(state.layout, theirs), "layout mismatch", out)
         return
     if state.layout is None:
         state.layout = theirs
@@ -227,6 +232,15 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
     out.append(_welcome(state, ev.conn, learner, needs_init, peers))
     if rec.status is LearnerStatus.RECOVERING:
         out.extend(_full_update(state, (learner,)))
+
+
+def _refuse_join(ev: Join, code: str, text: str, reason: str, out: list[Effect]) -> None:
+    """Refuse a hello for good: the learner is told why, and so is the syncer's log (the learner's
+    process may be on another machine, its output unseen by whoever runs the syncer)."""
+    who = f"learner {ev.name!r} (connection {ev.conn}, {len(ev.tensors)} tensors)"
+    out.append(Log("warning", f"refused {who}: {code}: {text}"))
+    out.append(SendError(code, text, True, conn=ev.conn))
+    out.append(Drop(None, ev.conn, reason))
 
 
 def _welcome(state: SyncerState, conn: int, learner: int, needs_init: bool,

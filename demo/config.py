@@ -10,7 +10,9 @@ from ddiloco.reference import model as reference
 __all__ = ["LOG_EVERY_STEPS", "STEPS_CAP_FACTOR", "DemoConfig", "model_config"]
 
 LOG_EVERY_STEPS = 5  # a learner writes one JSON line per this many of its steps (demo/learner_process.py)
-STEPS_CAP_FACTOR = 2  # learners stop at this many times `steps` global steps, budget spent or not
+# Learners are stopped at this many times `steps` global steps, budget spent or not (the supervisor
+# watches the global step); each learner process also stops after this many times `steps` of its own.
+STEPS_CAP_FACTOR = 2
 
 
 @dataclass(frozen=True)

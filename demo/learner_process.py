@@ -1,7 +1,8 @@
 """One learner process: the reference model on its own data shard, synchronised with the syncer.
 
 Readable top to bottom, in the spirit of a small `train.py`: build the model, connect, then loop
-(inner AdamW step, sync hook) until the global step budget is spent. A learner that is killed and
+(inner AdamW step, sync hook) until this learner has taken its budget of steps (its own steps: a
+learner that joins late, after others have spent theirs, still trains that many). A learner that is killed and
 started again rejoins by itself: it copies parameters, AdamW state and step from a live peer that
 holds the syncer's current versions (or, failing that, takes the syncer's fragments and a fresh
 optimizer state), with weight 0 until it holds every fragment.
@@ -41,7 +42,10 @@ class LearnerConfig:
     batch: int = 16
     seed: int = 0
     codec: str = "int4"
-    steps_total: int = 200  # stop once the step count (continued from the syncer's) reaches this
+    # Stop after this many steps of this process. Not the global step, which a learner joining late
+    # continues from: counted that way, one joining after the others had spent the budget trained
+    # nothing and ended with its random initialisation.
+    steps_total: int = 200
     speed: float = 1.0  # < 1 makes this learner slower (sleeps after each step)
     log_file: Path | None = None  # JSON lines: step, loss, versions, tokens
     cache_dir: Path | None = None
@@ -68,9 +72,26 @@ def _compile(train_step: Any, params: Any, opt_state: Any, cfg: LearnerConfig) -
     """Compile the step before joining: a learner that joins and then compiles for seconds is asked
     for fragments it cannot answer, and on shared cores the compiles of its peers starve the one
     that is training (measured: an 18 s gap between merges at the demo's start). The result of this
-    step on a zero batch is thrown away; parameters, optimizer state and data are untouched."""
+    step on a zero batch is thrown away; parameters, optimizer state and data are untouched.
+
+    Said before and after, in the log and in the JSON lines (the demo's live view shows the
+    learner as compiling): the compile takes seconds to tens of seconds on a loaded machine, and a
+    learner silent that long looks stuck."""
+    log.info("compiling the training step (the syncer hears of this learner after it)")
+    _phase(cfg.log_file, {"phase": "compiling"})
+    started = time.monotonic()
     zeros = np.zeros((cfg.batch, cfg.model.seq), dtype=np.int32)
     jax.block_until_ready(train_step(params, opt_state, zeros, zeros))
+    seconds = time.monotonic() - started
+    log.info("compiled in %.1f s; joining the syncer at %s", seconds, cfg.syncer)
+    _phase(cfg.log_file, {"phase": "compiled", "seconds": round(seconds, 3)})
+
+
+def _phase(log_file: Path | None, record: dict) -> None:
+    """A line of the JSON log that is not a step's: what the process is doing (demo.supervisor.LossLog)."""
+    if log_file is not None:
+        with open(log_file, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
 
 def _start_state(cfg: LearnerConfig, sync: DilocoSync, params: Any, opt_state: Any) -> tuple[Any, Any]:
@@ -85,7 +106,7 @@ def _start_state(cfg: LearnerConfig, sync: DilocoSync, params: Any, opt_state: A
 
 
 def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
-    """Train until the step budget is spent; returns a small summary. `replay` (demo.replay)
+    """Train `cfg.steps_total` steps (fewer when stopped); returns a small summary. `replay` (demo.replay)
     re-executes a recorded run instead: it stands in for the syncer and the peers, and says when the
     recorded run stopped."""
     reference.enable_compilation_cache(cfg.cache_dir)
@@ -109,7 +130,7 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     started, steps, ce, ce_array = time.monotonic(), 0, float("nan"), None
     stop = _stop_on_sigterm()
     try:
-        while sync.step_count < cfg.steps_total and not stop and not (replay and replay.done(sync.calls)):
+        while steps < cfg.steps_total and not stop and not (replay and replay.done(sync.calls)):
             t0 = time.perf_counter()
             x, y = next(stream)
             params, opt_state, ce_array = train_step(params, opt_state, x, y)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from ddiloco.demo.config import LOG_EVERY_STEPS, DemoConfig, model_config
@@ -9,7 +10,20 @@ from ddiloco.demo.config import LOG_EVERY_STEPS, DemoConfig, model_config
 if TYPE_CHECKING:
     from ddiloco.demo.supervisor import LearnerProcess, LossLog, SyncerProcess
 
-__all__ = ["PlainView", "RichView", "learner_rows", "make_view", "newest_rows"]
+__all__ = ["DECISION_CHARS_MAX", "PlainView", "RichView", "fit_words", "learner_rows", "make_view", "newest_rows"]
+
+DECISION_CHARS_MAX = 60  # the last decision's reason on a plain line, shortened at a word boundary
+
+
+def fit_words(text: str, width: int) -> str:
+    """`text` in at most `width` characters, shortened at a word boundary with " ..." when it is
+    longer: a reason cut mid-word ("merged 1/2 (quor") reads as a different word or a number."""
+    if len(text) <= width:
+        return text
+    shortened = textwrap.shorten(text, width, placeholder=" ...")
+    # A first word longer than the whole width leaves only the placeholder: then that word, cut, is
+    # still more use than three dots.
+    return shortened if shortened != "..." else text[: max(0, width - 3)] + "..."
 
 
 def newest_rows(status: dict) -> dict[str, dict]:
@@ -25,9 +39,12 @@ def learner_rows(status: dict, learners: list[LearnerProcess], logs: list[LossLo
     out = []
     for lr, log in zip(learners, logs):
         r = rows.get(f"learner-{lr.index}")
+        # A process that has not joined yet says what it is doing (demo/learner_process.py): the
+        # first compile of its step takes seconds to tens of seconds, before the syncer hears of it.
         state = (
             "done" if lr.done else "stopping" if lr.stopping else "killed" if lr.killed_at is not None
-            else "paused" if lr.paused_until else (r["status"] if r else "joining")
+            else "paused" if lr.paused_until else log.phase if log.phase in ("starting", "compiling")
+            else (r["status"] if r else "joining")
         )
         out.append({
             "learner": lr.index, "state": state, "step": r["step"] if r else None,
@@ -59,7 +76,7 @@ class PlainView:
         head, last = _headline(now, status, syncer)
         cells = " ".join(f"L{r['learner']}:{r['state']}@{'-' if r['step'] is None else r['step']}"
                          for r in learner_rows(status, learners, logs, cfg))
-        print(f"{head} {cells} | {last[:60]}", file=self.out, flush=True)
+        print(f"{head} {cells} | {fit_words(last, DECISION_CHARS_MAX)}", file=self.out, flush=True)
 
     def close(self) -> None:
         pass

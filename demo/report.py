@@ -12,7 +12,10 @@ from ddiloco.demo.config import DemoConfig
 if TYPE_CHECKING:
     from ddiloco.demo.supervisor import LossLog
 
-__all__ = ["DemoReport", "goodput", "learner_curve", "report_json", "report_text", "trained_tokens", "uptime_and_longest_gap"]
+__all__ = ["DemoReport", "goodput", "ledger_lines", "learner_curve", "report_json", "report_text", "trained_tokens",
+           "uptime_and_longest_gap"]
+
+LEDGER_FATES = ("merged", "late", "stale", "rejected", "lost", "open")  # core.ledger's fates, and still open
 
 
 @dataclass
@@ -46,6 +49,22 @@ def trained_tokens(status: dict) -> int:
     """Tokens the learners have trained on, from the syncer's ledger: every step's tokens are
     reported once for each fragment (the counters run per fragment)."""
     return status["ledger"]["reported"] // max(1, len(status["fragments"]))
+
+
+def ledger_lines(ledger: dict, fragments: int) -> list[str]:
+    """The syncer's token ledger in words. Its counts are per fragment: each token trained is
+    reported once for every fragment (the learner's counters run per fragment, and each fragment's
+    share of them ends merged, late, stale, rejected or lost on its own). Printed raw, "reported"
+    reads as P times the tokens trained; so: the tokens trained, then the fates as shares."""
+    reported = ledger.get("reported", 0)
+    if not reported:
+        return ["token ledger   nothing reported"]
+    shares = ", ".join(f"{fate} {100 * ledger.get(fate, 0) / reported:.1f}%" for fate in LEDGER_FATES)
+    return [
+        (f"token ledger   counted per fragment: each of the {reported // max(1, fragments):,} tokens trained is "
+         f"counted once for each of the {fragments} fragments ({reported:,} in all)"),
+        f"               what became of them: {shares}",
+    ]
 
 
 def uptime_and_longest_gap(merge_times: list[float], trained_until: float, wall: float, cfg: DemoConfig) -> tuple[float, float]:
@@ -113,7 +132,7 @@ def report_text(r: DemoReport) -> str:
         lines.append(f"syncer kill    {r.syncer_kills}, restarted from its checkpoint; kill to next merge {outage}")
     return "\n".join(lines + [
         f"merges         {r.merges}",
-        f"token ledger   {r.ledger}",
+        *ledger_lines(r.ledger or {}, int(r.config.get("fragments", 1))),
         f"wall time      {r.wall_s:.1f} s",
     ])
 

@@ -71,12 +71,16 @@ class SyncerProcess:
 
 @dataclass
 class LossLog:
-    """A learner's JSON lines (demo/learner_process.py) read as they grow: (global step, train loss)."""
+    """A learner's JSON lines (demo/learner_process.py) read as they grow: (global step, train loss),
+    and what its newest process said it is doing (`phase`)."""
 
     path: Path
     offset: int = 0
     points: list = field(default_factory=list)
     torn: int = 0  # lines cut short by a SIGKILL mid-write (an expected fault, so counted, not raised)
+    # "compiling", "compiled" (then joining), "training" once a step is logged; a restarted process
+    # appends to the same file, so the newest line is its own.
+    phase: str | None = None
 
     def read(self) -> None:
         if not self.path.exists():
@@ -89,7 +93,11 @@ class LossLog:
         for line in chunk[:end].splitlines():
             try:
                 rec = json.loads(line)
+                if "phase" in rec:
+                    self.phase = str(rec["phase"])
+                    continue
                 self.points.append((int(rec["step"]), float(rec["loss"])))
+                self.phase = "training"
             except (ValueError, KeyError, TypeError):
                 self.torn += 1
 
@@ -136,6 +144,7 @@ class Demo:
             stdout=subprocess.DEVNULL, stderr=log,
         )
         log.close()  # the child holds its own copy
+        self.logs[lr.index].phase = "starting"  # until the new process says it compiles (its JSON lines)
 
 
     def revive_syncer(self, now: float) -> None:

@@ -170,7 +170,9 @@ class DilocoSync:
     def join(self) -> session.WelcomeInfo:
         """Start the client (and the peer server, if configured), wait for the syncer's welcome (at
         most `welcome_timeout_s`: TimeoutError), send the initial parameters if it asks for them.
-        Called again, returns the first welcome. On an error the hook is closed."""
+        A syncer that refuses this learner (its token, a model it cannot lay out: more fragments
+        than tensors) raises `net.client.SyncerRefused`, a UserError whose message says what to
+        change. Called again, returns the first welcome. On an error the hook is closed."""
         if self._welcome is not None:
             return self._welcome
         if self._closed:

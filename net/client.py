@@ -217,7 +217,9 @@ class SyncerClient:
                 self.refused = exc
                 self.welcomed.set()  # wake anyone waiting for a welcome that will never come
                 self.settled.set()
-                log.error("%s", exc)
+                # Not logged as an error here: the training side raises it (wait_welcome, then any
+                # call), and the same line twice reads as two problems.
+                log.debug("refused: %s", exc)
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 delay = self._backoff(delay, welcomes, exc)
@@ -344,7 +346,7 @@ class SyncerClient:
         elif isinstance(item, session.ErrorInfo):
             self.inbox.errors.append(item)
             if item.fatal:
-                raise SyncerRefused(f"syncer refused this learner: {item.code}: {item.text}")
+                raise SyncerRefused(f"the syncer at {self.config.url} refused this learner ({item.code}): {item.text}")
 
     async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse, welcomes_before: int) -> None:
         await self.welcomed.wait()  # this connection's welcome, a refusal, or close
@@ -452,8 +454,7 @@ class ThreadedClient:
             raise TimeoutError(
                 f"no welcome from the syncer within {timeout_s} s (last error: {self._client.last_error})"
             )
-        if self._client.refused is not None:
-            raise self._client.refused
+        self._raise_refused()
         fut = asyncio.run_coroutine_threadsafe(self._welcome_now(), self._loop)
         self._welcomes_seen, welcome = fut.result()
         self._welcome = welcome
@@ -565,10 +566,16 @@ class ThreadedClient:
 
     def _check(self) -> None:
         """A refused client has no loop left to talk to: say why, every time it is used."""
-        if self._client.refused is not None:
-            raise self._client.refused
+        self._raise_refused()
         if not self._thread.is_alive():
             raise RuntimeError(f"the syncer client has stopped (last error: {self._client.last_error})")
+
+    def _raise_refused(self) -> None:
+        """The refusal, raised here as a new exception: the one raised on the client's thread would
+        carry that thread's frames into the caller's traceback, around a message that is all it needs."""
+        refused = self._client.refused
+        if refused is not None:
+            raise type(refused)(*refused.args) from None
 
     def close(self, timeout_s: float = CLOSE_DRAIN_S_MAX + 5.0) -> None:
         """Stop the client: the newest progress report held back goes out with what is queued
@@ -577,6 +584,8 @@ class ThreadedClient:
             held = self._take_held()
 
             def closing() -> None:
+                if self.refused is not None:
+                    return  # `run` has returned: nothing to drain, and a task started now would never run
                 if held is not None:
                     self._client.queue_progress(held[1], held[0])
                 asyncio.ensure_future(self._client.close())

@@ -10,9 +10,10 @@ import threading
 import urllib.request
 
 
-def learner(port, tmp_path, shard, steps=100, token=True):
+def learner(port, tmp_path, shard, steps=100, token=True, *extra):
     args = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--shard", shard,
-            "--steps", str(steps), "--batch", "4", "--speed", "0.25", "--cache-dir", str(tmp_path / "jax"), "--seed", shard[0]]
+            "--steps", str(steps), "--batch", "4", "--speed", "0.25", "--cache-dir", str(tmp_path / "jax"),
+            "--seed", shard[0], *extra]
     if token:
         args += ["--token-file", str(tmp_path / "token")]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -80,3 +81,55 @@ def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(tmp_pat
     finally:
         syncer.send_signal(signal.SIGTERM)
         assert syncer.wait(60) == 0
+
+
+def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_both_sides(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "16", "--period", "16")  # the reference model: 15 tensors
+    drain(syncer, log)
+    try:
+        refused = subprocess.run(
+            [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--token-file",
+             str(tmp_path / "token"), "--name", "small", "--steps", "5", "--cache-dir", str(tmp_path / "jax")],
+            capture_output=True, text=True, timeout=300,
+        )
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(60) == 0
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    said = [line for line in refused.stderr.splitlines() if line.startswith("ddiloco learner:")]
+    assert said == [f"ddiloco learner: the syncer at ws://127.0.0.1:{port}/ws refused this learner (bad_layout): "
+                    "the syncer splits the model into 16 fragments but it has 15 tensors: "
+                    "start the syncer with --fragments 15 or fewer"]
+    (warned,) = [line for line in log if "WARNING" in line and "refused learner" in line]
+    assert "'small'" in warned and "15 tensors" in warned and "--fragments 15 or fewer" in warned, log
+
+
+def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "4", "--period", "4")
+    drain(syncer, log)
+    steps = 30
+    try:
+        first = learner(port, tmp_path, "0/2", steps=steps)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err[-2000:]
+        spent = json.loads(out.strip().splitlines()[-1])
+        assert spent["steps"] == steps and spent["last_step"] >= steps
+        # joins at the global step the first one left
+        late = learner(port, tmp_path, "1/2", steps, True, "--log-file", str(tmp_path / "late.jsonl"))
+        out, err = late.communicate(timeout=300)
+        assert late.returncode == 0, err[-2000:]
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(60) == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == steps and summary["last_step"] >= spent["last_step"] + steps
+    # Trained, not its random initialisation: it took the syncer's state (every fragment), merged
+    # versions of its own pushes arrived, and its loss is well below a uniform guess over the
+    # 256 byte values (ln 256 = 5.55, where a freshly initialised model starts).
+    assert summary["recovered_from"] == "syncer" and summary["caught_up_s"] is not None and summary["applied"] > 4
+    assert summary["loss"] < math.log(256) - 1.0, summary
+    # What it did before its first step, said as it happened: in its log, and in its JSON lines
+    assert err.index("compiling the training step") < err.index("compiled in ")
+    lines = [json.loads(line) for line in (tmp_path / "late.jsonl").read_text().splitlines()]
+    assert lines[0] == {"phase": "compiling"} and lines[1]["phase"] == "compiled" and lines[1]["seconds"] > 0
+    assert all("step" in line for line in lines[2:]) and len(lines[2:]) == steps // 5

@@ -8,8 +8,10 @@ from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import (
     ArmTimer,
     Disconnect,
+    Drop,
     InitFragment,
     Join,
+    Log,
     MergeCost,
     Merged,
     Progress,
@@ -310,6 +312,30 @@ def test_layout_mismatch_and_protocol_refused():
     assert err.code == "bad_layout" and "head" in err.text and err.fatal
     eff = h.send(Join(12, "c", TENSORS, 99))
     assert h.of(SendError, eff)[0].code == "protocol_version"
+
+
+@pytest.mark.parametrize("strategy, parts, unit",
+                         [("balanced", 4, "tensors"), ("tensor", 4, "tensors"), ("layer", 4, "layers")])
+def test_more_fragments_than_the_model_has_is_refused_naming_the_setting(strategy, parts, unit):
+    h = Harness(num_fragments=6, period=6, strategy=strategy)
+    eff = h.send(Join(10, "small", TENSORS, syncer.PROTOCOL_VERSION))
+    (err,) = h.of(SendError, eff)
+    assert err.code == "bad_layout" and err.fatal and err.conn == 10
+    assert err.text == (f"the syncer splits the model into 6 fragments but it has {parts} {unit}: "
+                        f"start the syncer with --fragments {parts} or fewer")
+    (warning,) = [e for e in h.of(Log, eff) if e.level == "warning"]  # the syncer's log says it too
+    assert "'small'" in warning.text and "4 tensors" in warning.text and err.text in warning.text
+    assert h.of(Drop, eff) and not h.of(SendWelcome, eff) and h.state.layout is None and not h.state.learners
+
+
+def test_every_refused_hello_is_logged_as_a_warning():
+    h = Harness()
+    h.join("a", conn=10)
+    other = TENSORS[:-1] + (TensorSpec("head", (8, 17)),)
+    for event in (Join(11, "b", other, syncer.PROTOCOL_VERSION), Join(12, "c", TENSORS, 99)):
+        (err,) = h.of(SendError, eff := h.send(event))
+        (warning,) = [e for e in h.of(Log, eff) if e.level == "warning"]
+        assert f"'{event.name}'" in warning.text and err.code in warning.text and err.text in warning.text
 
 
 def test_checkpoint_effect_every_n_merges():

@@ -1,6 +1,8 @@
 """The learner hook with a real syncer on 127.0.0.1: JAX pytrees in, fragments over real sockets."""
 
+import logging
 import time
+import traceback
 import urllib.error
 import urllib.request
 
@@ -10,8 +12,10 @@ import pytest
 
 from ddiloco.core import syncer
 from ddiloco.core.layout import LayoutError, build_layout
+from ddiloco.errors import UserError
 from ddiloco.learner.sync import DilocoSync, FragmentSync, NotJoinedError, SyncConfig
 from ddiloco.learner.tree import TreeFragments, tensor_specs
+from ddiloco.net.client import SyncerRefused
 from ddiloco.net.peer import PeerConfig
 
 TOKEN = "learner-test-token-0123456789"
@@ -102,6 +106,25 @@ def test_wrong_token_is_a_clear_error(threaded_syncer):
             DilocoSync.connect(model(0), SyncConfig(url=s.url, name="x", token="wrong-token-0123456789"))
     finally:
         s.stop()
+
+
+def test_more_fragments_than_tensors_is_one_clear_error_on_both_sides(threaded_syncer, caplog):
+    s = threaded_syncer(num_fragments=8, period=8, token=TOKEN)
+    caplog.set_level(logging.WARNING, logger="ddiloco.syncer")
+    sync = DilocoSync(model(0), SyncConfig(url=s.url, name="small", token=TOKEN))  # 4 tensors
+    with pytest.raises(SyncerRefused) as refused:
+        sync.join()
+    assert isinstance(refused.value, UserError)
+    assert "the syncer splits the model into 8 fragments but it has 4 tensors: " \
+           "start the syncer with --fragments 4 or fewer" in str(refused.value)
+    # one error, raised where join was called: no chained exception, no frames of the client's thread
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
+    frames = [f.name for f in traceback.extract_tb(refused.value.__traceback__)]
+    assert "_read_loop" not in frames and "_deliver" not in frames, frames
+    warned = [r.getMessage() for r in caplog.records if r.name == "ddiloco.syncer" and r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "'small'" in warned[0] and "4 tensors" in warned[0] and "--fragments 4 or fewer" in warned[0]
+    assert s.read(lambda st: st.layout is None and not st.learners)  # nothing of it was kept
 
 
 def test_error_feedback_needs_a_lossy_codec():
