@@ -88,7 +88,7 @@ async def test_metrics_are_typed_named_and_agree_with_the_daemon(tmp_path):
 
     # Per learner: one series each (the odd name exactly as given), step and versions as the core has them.
     info = {sm.labels["learner"]: sm.labels for sm in fams["ddiloco_learner_info"].samples}
-    assert {l["name"] for l in info.values()} == {"a", "b", ODD_NAME}
+    assert {labels["name"] for labels in info.values()} == {"a", "b", ODD_NAME}
     for lv in view.learners:
         assert lv.status is LearnerStatus.LIVE
         assert value(fams, "ddiloco_learner_step", learner=str(lv.id)) == lv.step
