@@ -14,7 +14,9 @@ from ddiloco.core.syncer import LearnerStatus
 
 from .test_daemon import TOKEN, Learner, Syncer, train, two_learners, until
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "ddiloco.json"
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "ddiloco.json"
+OPERATIONS = ROOT / "docs" / "operations.md"
 ODD_NAME = 'odd "name" \\ with\nnewline'  # every character a label value must escape
 
 
@@ -130,6 +132,11 @@ async def test_metrics_are_typed_named_and_agree_with_the_daemon(tmp_path):
         names = set(re.findall(r"\b((?:ddiloco|process)_[a-z_]+)\b", expr))
         assert names, expr
         assert names <= exposed, (expr, names - exposed)
+
+    # docs/operations.md lists every family.
+    documented = set(re.findall(r"`(ddiloco_[a-z_]+)`", OPERATIONS.read_text()))
+    for name, f in ours.items():
+        assert (f"{name}_total" if f.type == "counter" else name) in documented, name
 
     for lr in (a, b, odd):
         await lr.stop()
