@@ -20,7 +20,8 @@ def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.read() == b"ok\n"
         status = subprocess.run(
-            [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}", "--json"], capture_output=True, text=True,
+            timeout=60,
         )
         assert status.returncode == 0 and json.loads(status.stdout)["config"]["quorum"] == 2
         req = urllib.request.Request(f"http://127.0.0.1:{port}/checkpoint", method="POST")
