@@ -24,7 +24,7 @@ from ddiloco.errors import DdilocoError, FaultError, UserError
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("ddiloco.cli.syncer", "run the syncer daemon"),
-    "status": ("ddiloco.cli.status", "print a syncer's status JSON"),
+    "status": ("ddiloco.cli.status", "a running syncer at a glance: learners, fragments, decisions, tokens (--json: raw)"),
     "export": ("ddiloco.cli.export", "write the trained model out of a syncer checkpoint (safetensors, npz or orbax)"),
     "snapshot": ("ddiloco.cli.snapshot", "take a consistent snapshot of a running syncer and its learners"),
     "demo": ("ddiloco.cli.demo", "the chaos demo: a syncer and learners surviving kills (needs the learner extra)"),

@@ -35,6 +35,9 @@ class Ledger:
     totals: dict[str, int] = field(default_factory=lambda: {f: 0 for f in FATES})
     closed: int = 0  # tokens of closed windows (all fated)
     windows: dict[tuple[int, int], _Window] = field(default_factory=dict)
+    # Fated tokens per learner (merged/late/stale/rejected; not lost), for the operator's per-learner
+    # shares. Not in a checkpoint: a resumed syncer counts them from zero (a counter reset).
+    by_learner: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def report(self, learner: int, fragment: int, tokens: int, *, reset: bool) -> None:
         """The learner's window counter for `fragment` is now `tokens`; `reset` when the learner says
@@ -58,6 +61,9 @@ class Ledger:
         window.fated += fresh
         window.tokens = max(window.tokens, window.fated)
         self.totals[fate] += fresh
+        if fresh:
+            mine = self.by_learner.setdefault(learner, {})
+            mine[fate] = mine.get(fate, 0) + fresh
 
     def learner_gone(self, learner: int, awaiting: frozenset[int] = frozenset()) -> None:
         """Close the learner's windows, except those of the fragments in `awaiting`: a push of
@@ -87,6 +93,11 @@ class Ledger:
 
     def check(self) -> None:
         assert self.reported == sum(self.totals.values()) + self.open, (self.reported, self.totals, self.open)
+
+    def of_learner(self, learner: int) -> dict[str, int]:
+        """The tokens of `learner` given each fate by a push (lost tokens are not counted per learner)."""
+        mine = self.by_learner.get(learner, {})
+        return {f: mine.get(f, 0) for f in FATES if f != "lost"}
 
     def summary(self) -> dict[str, int]:
         return {"reported": self.reported, **self.totals, "open": self.open}

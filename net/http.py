@@ -1,7 +1,9 @@
-"""The daemon's HTTP endpoints: health, metrics, status, the live page, checkpoint and snapshot requests.
+"""The daemon's HTTP endpoints: health, metrics, status, the operator's page, checkpoint and snapshot requests.
 
 Status and metrics read the `SyncerView` the core thread last published (net.telemetry), never the
 state the core is changing; the two that change state run on the core thread, between two events.
+/metrics is prometheus_client's exposition of the daemon's own registry (net.telemetry.new_registry);
+`/` is the operator's page (net.page), which polls /status.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ import asyncio
 
 import orjson
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.items import SnapshotStart
-from ddiloco.net.telemetry import render_prometheus, status_document
+from ddiloco.net.page import PAGE_HTML
+from ddiloco.net.telemetry import Reading, new_registry, status_document
 
 __all__ = ["SNAPSHOT_ANSWER_S_EXTRA", "routes"]
 
@@ -30,16 +35,21 @@ def routes(server) -> list[web.RouteDef]:
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    registry = new_registry(lambda: reading(server))
+
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=render_prometheus(server.metrics, server.view), content_type="text/plain", charset="utf-8")
+        # The format the scraper asks for (Prometheus' text, or OpenMetrics when its Accept says so).
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        response = web.Response(body=encode(registry))
+        response.headers["Content-Type"] = content_type  # (aiohttp's content_type= would drop the version)
+        return response
 
     async def status(request: web.Request) -> web.Response:
-        now = server.clock()
-        doc = status_document(server.view, server.metrics, now, now - server.started_at)
+        doc = status_document(reading(server), server.started_at)
         return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
     async def page(request: web.Request) -> web.Response:
-        return web.Response(text=PAGE, content_type="text/html")
+        return web.Response(text=PAGE_HTML, content_type="text/html", charset="utf-8")
 
     async def checkpoint_now(request: web.Request) -> web.Response:
         if not authorized(request):
@@ -76,22 +86,9 @@ def routes(server) -> list[web.RouteDef]:
     ]
 
 
-PAGE = """<!doctype html><meta charset="utf-8"><title>ddiloco syncer</title>
-<style>body{font:14px monospace;margin:2em}td,th{padding:2px 10px;text-align:left}</style>
-<h1>ddiloco syncer</h1><div id="s">loading...</div>
-<script>
-async function tick(){
-  const s = await (await fetch('status')).json();
-  let h = `<p>global step ${s.global_step} &middot; merges ${s.merges} &middot; up ${s.uptime_s}s</p>`;
-  h += '<table><tr><th>learner</th><th>status</th><th>step</th><th>seen</th></tr>';
-  for (const l of s.learners) h += `<tr><td>${l.id} ${l.name}</td><td>${l.status}</td><td>${l.step}</td><td>${l.last_seen_s_ago}s ago</td></tr>`;
-  h += '</table><table><tr><th>fragment</th><th>version</th></tr>';
-  for (const f of s.fragments) h += `<tr><td>${f.index}</td><td>${f.version}</td></tr>`;
-  h += '</table><h3>last decisions</h3>';
-  for (const d of s.decisions.slice(-8).reverse()) h += `<div>fragment ${d.fragment} v${d.version}: ${d.reason}</div>`;
-  h += `<h3>tokens</h3><pre>${JSON.stringify(s.ledger)}</pre>`;
-  document.getElementById('s').innerHTML = h;
-}
-tick(); setInterval(tick, 1000);
-</script>
-"""
+
+def reading(server) -> Reading:
+    """What /metrics and /status read of `server`, at once: its view, counters, checkpoint health."""
+    store = server.checkpoints.store
+    return Reading(server.view, server.metrics, server.clock(),
+                   None if store is None else store.health, 0.0 if store is None else store.clock())

@@ -218,9 +218,7 @@ class Sessions:
         self.checkpoints.write(state, reason)
 
     def merged(self, effect: Merged) -> None:
-        self.metrics.merges += 1
-        self.metrics.grace_s_last = effect.grace_s
-        self.metrics.observe_round(effect.round_s)
+        self.metrics.observe_merged(effect, self.clock())
 
     def log(self, effect: Log) -> None:
         log.log(logging.WARNING if effect.level == "warning" else logging.INFO, effect.text)

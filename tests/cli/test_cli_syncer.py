@@ -20,7 +20,8 @@ def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.read() == b"ok\n"
         status = subprocess.run(
-            [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}", "--json"], capture_output=True, text=True,
+            timeout=60,
         )
         assert status.returncode == 0 and json.loads(status.stdout)["config"]["quorum"] == 2
         req = urllib.request.Request(f"http://127.0.0.1:{port}/checkpoint", method="POST")
@@ -206,7 +207,7 @@ def test_tls_syncer_serves_https_and_status_needs_the_ca(tmp_path, start_syncer,
         assert "(TLS: https, wss)" in lines[-1]
         assert json.loads(lines[0].split("config ", 1)[1])["sources"]["tls_cert"] == "flag --tls-cert"
         url = f"https://127.0.0.1:{port}"
-        status = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", url, "--tls-ca", str(cert)],
+        status = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", url, "--json", "--tls-ca", str(cert)],
                                 capture_output=True, text=True, timeout=60, check=False)
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["merges"] == 0

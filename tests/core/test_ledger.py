@@ -20,6 +20,8 @@ def test_second_push_of_same_window_counts_once():
     led.fate(2, 1, 400, "stale")
     led.fate(2, 1, 450, "merged")  # resent after the stale answer with a grown counter
     assert led.totals["stale"] == 400 and led.totals["merged"] == 50
+    assert led.of_learner(2) == {"merged": 50, "late": 0, "stale": 400, "rejected": 0}
+    assert led.of_learner(1) == {"merged": 0, "late": 0, "stale": 0, "rejected": 0}
     led.check()
 
 
@@ -69,3 +71,6 @@ def test_books_always_balance(sequence):
             led.learner_gone(learner, frozenset({fragment}) if op == "gone_awaiting" else frozenset())
         led.check()
         assert all(v >= 0 for v in led.totals.values()) and led.open >= 0
+        # every pushed token is booked to exactly one learner too
+        for fate in ("merged", "late", "stale", "rejected"):
+            assert sum(led.of_learner(m)[fate] for m in (1, 2, 3)) == led.totals[fate], fate

@@ -156,7 +156,7 @@ async def test_learners_join_init_and_merge_over_real_sockets(tmp_path):
     assert any("merged" in d["reason"] for d in status["decisions"])
     assert "ddiloco_merges_total" in metrics and 'ddiloco_round_seconds_bucket{le="+Inf"}' in metrics
     # every byte the learners received was counted as sent (welcomes, requests, the broadcasts)
-    sent = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ddiloco_bytes_out_total"))
+    sent = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ddiloco_sent_bytes_total"))
     assert 0 < sent <= s.server.metrics.bytes_out  # (the learners go on meanwhile)
     assert s.server.metrics.bytes_out >= sum(c.bytes_out for c in s.server.sessions.conns.values())
     s.server.state.ledger.check()
