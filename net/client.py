@@ -29,6 +29,7 @@ import aiohttp
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import session, wire
+from ddiloco.net.messages import SYNCER_KINDS
 
 log = logging.getLogger("ddiloco.client")
 
@@ -262,7 +263,7 @@ class SyncerClient:
                         pass
 
     async def _read_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        reassembler = wire.Reassembler(self.config.wire)
+        reassembler = wire.Reassembler(self.config.wire, accepted=SYNCER_KINDS)
         async for msg in ws:  # until the connection closes: on close, after the writer's goodbye
             if msg.type is not aiohttp.WSMsgType.BINARY:
                 continue

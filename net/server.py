@@ -50,6 +50,7 @@ from ddiloco.core.events import (
 )
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.net import messages as msg
+from ddiloco.net.messages import LEARNER_KINDS  # `msg` is also a websocket message's name below
 from ddiloco.net import session, store, wire
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
@@ -413,7 +414,7 @@ class SyncerServer:
         await ws.prepare(request)
         conn = Connection(next(self._conn_ids), ws, self.config.queues, sent=self._count_sent)
         self._conns[conn.conn_id] = conn
-        reassembler = wire.Reassembler(self.config.wire)
+        reassembler = wire.Reassembler(self.config.wire, accepted=LEARNER_KINDS)  # refused before any buffer
         writer = asyncio.create_task(self._write(conn), name=f"ddiloco-writer-{conn.conn_id}")
         try:
             async for msg in ws:
@@ -506,6 +507,8 @@ class SyncerServer:
         return self.config.auth_token is not None and bearer_matches(request.headers.get("Authorization"), self.config.auth_token)
 
     async def _healthz(self, request: web.Request) -> web.Response:
+        if self._core_task.done():  # the core stopped on a bug: the daemon no longer syncs anything
+            raise web.HTTPServiceUnavailable(text="the syncer core has stopped\n")
         return web.Response(text="ok\n")
 
     async def _metrics(self, request: web.Request) -> web.Response:
