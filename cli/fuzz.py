@@ -12,7 +12,6 @@ every mutation: run it again to reproduce a failure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -40,6 +39,5 @@ def run(args: argparse.Namespace) -> int:
     for line in report.lines():
         print(line)
     if args.json is not None:
-        doc = dataclasses.asdict(report) | {"ok": report.ok}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
     return 0 if report.ok else 1

@@ -32,7 +32,7 @@ import resource
 import struct
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import aiohttp
 import numpy as np
@@ -119,6 +119,12 @@ class FuzzReport:
     @property
     def ok(self) -> bool:
         return self.core_deaths == 0 and not self.failures
+
+    def as_dict(self) -> dict:
+        """The report as JSON-able values."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["mutations"], out["error_codes"] = dict(self.mutations), dict(self.error_codes)
+        return out | {"ok": self.ok}
 
     def lines(self) -> list[str]:
         codes = ", ".join(f"{k} {v}" for k, v in self.error_codes.most_common())

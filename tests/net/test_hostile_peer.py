@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Self
 
 import aiohttp
 import numpy as np
@@ -45,7 +46,7 @@ async def until(predicate, what: str, timeout_s: float = 20.0) -> None:
 class Daemon:
     """The daemon, one honest learner that trains, and a raw socket for the hostile peer."""
 
-    async def __aenter__(self) -> Daemon:
+    async def __aenter__(self) -> Self:
         state = syncer.new_state(SyncerConfig(num_fragments=2, period=2, quorum=1))
         self.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, wire=LIMITS))
         await self.server.start()
