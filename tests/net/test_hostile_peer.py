@@ -195,3 +195,28 @@ async def test_the_syncers_kinds_from_a_learner_are_refused_by_the_wire(kind):
         err = await d.next(msg.Error)
         assert err.code == msg.ErrorCode.UNEXPECTED_KIND and f"{kind.name.lower()} is not accepted" in err.text
         await d.merges_go_on()
+
+
+@pytest.mark.parametrize("name", ["int4", "int2", "int1"])
+async def test_a_push_with_a_negative_block_scale_is_refused_as_bad_shape(name):
+    # found by `ddiloco fuzz --seed 109`: the scale passed admission (it is finite), and the merge
+    # kernel refused it when the round closed, on the core thread
+    async with Daemon() as d:
+        await d.hello()
+        versions = [f.version for f in d.server.state.fragments]
+        await d.send(msg.Kind.PROGRESS, {"step": d.server.state.global_step, "held_versions": versions,
+                                         "fragment_steps": [1, 1], "fragment_tokens": [64, 64], "clock": {"hostile": 2}})
+        await until(lambda: d.server.state.learners[2].status is syncer.LearnerStatus.LIVE, "the hostile peer live")
+        merging = asyncio.create_task(d.merges_go_on())  # opens rounds, which ask the hostile peer too
+        request = await d.next(msg.Request)
+        await merging
+        raw = bytearray(codec.encode(np.full(d.sizes[request.fragment], 0.01, dtype=np.float32), name))
+        raw[codec.HEADER_BYTES : codec.HEADER_BYTES + 4] = np.float32(-1.0).tobytes()
+        parsed = codec.parse(codec.encode(np.zeros(d.sizes[request.fragment], dtype=np.float32), name))
+        meta = {"fragment": request.fragment, "round": request.round, "base_version": request.base_version,
+                "steps": 1, "tokens": 64, "codec": name, "block": parsed.block, "element_count": parsed.elements,
+                "clock": {"hostile": 5}}
+        await d.send(msg.Kind.PUSH, meta, bytes(raw[codec.HEADER_BYTES:]))
+        err = await d.next(msg.Error)
+        assert err.code == msg.ErrorCode.BAD_SHAPE and "negative block scale" in err.text
+        await d.merges_go_on()
