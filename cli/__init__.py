@@ -35,6 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),
     "chaos-sim": ("ddiloco.cli.chaos_sim", "deterministic simulation test of the syncer under faults drawn from seeds"),
     "experiment": ("ddiloco.cli.experiment", "the paper's experiments in one process on a virtual clock (needs the learner extra)"),
+    "fuzz": ("ddiloco.cli.fuzz", "fuzz a real syncer daemon with mutated frames while honest learners train"),
 }
 
 

@@ -220,7 +220,12 @@ def from_body(
     if codec is Codec.BF16:
         return Encoded(codec, 0, n, raw.view(np.uint16), None)
     nscales = 4 * (n // block)
-    return Encoded(codec, block, n, raw[nscales:], raw[:nscales].view(np.float32))
+    scales = raw[:nscales].view(np.float32)
+    # The quantizers never write a negative scale, and the kernels refuse one when they merge: a
+    # malformed payload, refused here. (A NaN compares false: it is a non-finite payload, all_finite.)
+    if (scales < 0).any():
+        raise CodecError(f"{codec.value} payload has a negative block scale")
+    return Encoded(codec, block, n, raw[nscales:], scales)
 
 
 @dataclass(frozen=True)

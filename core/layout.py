@@ -24,7 +24,11 @@ from ddiloco.errors import UserError
 TENSORS_MAX = 1_000_000
 FRAGMENTS_MAX = 4096
 PATH_CHARS_MAX = 512
+# A path is printable ASCII: it is compared, sorted, split at '/' and '.', and numbered components
+# ('blocks/10') are read as integers, which only ASCII digits are (str.isdigit also accepts '²').
+PATH_RE = re.compile(r"[\x20-\x7e]+")
 FRAGMENT_ELEMENTS_MAX = 2**31 - 1  # int32 indexing inside kernels stays safe below this
+DIMS_MAX = 32  # dimensions of one tensor
 DTYPES = ("float32", "bfloat16", "float16")
 
 _LAYOUT_FORMAT = 1  # bumped whenever the digested description changes shape
@@ -65,11 +69,21 @@ class TensorSpec:
             raise LayoutError(f"tensor path must be a non-empty string, got {self.path!r}")
         if len(self.path) > PATH_CHARS_MAX:
             raise LayoutError(f"tensor path longer than {PATH_CHARS_MAX} characters: {self.path[:40]!r}...")
-        shape = tuple(self.shape)
-        if any((not isinstance(d, (int, np.integer))) or d < 0 for d in shape):
+        if PATH_RE.fullmatch(self.path) is None:
+            raise LayoutError(f"tensor path {self.path[:40]!r} holds a character that is not printable ASCII")
+        try:
+            shape = tuple(self.shape)
+        except TypeError:
+            raise LayoutError(f"tensor {self.path!r}: shape must be a sequence of integers, got {self.shape!r}") from None
+        if any((not isinstance(d, (int, np.integer))) or isinstance(d, bool) or d < 0 for d in shape):
             raise LayoutError(f"tensor {self.path!r}: shape must be non-negative integers, got {self.shape!r}")
+        if len(shape) > DIMS_MAX or any(d > FRAGMENT_ELEMENTS_MAX for d in shape):
+            raise LayoutError(
+                f"tensor {self.path!r}: shape {str(shape)[:60]} has more than {DIMS_MAX} dimensions or one above"
+                f" {FRAGMENT_ELEMENTS_MAX} (no fragment holds that many elements)"
+            )
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise LayoutError(f"tensor {self.path!r}: dtype {self.dtype!r} is not one of {DTYPES}")
 
     @property
@@ -218,7 +232,12 @@ def _validate_tensors(tensors: Sequence[TensorSpec]) -> list[TensorSpec]:
 
 def _natural_key(path: str) -> tuple:
     """Sort key that orders 'blocks/10' after 'blocks/9' (paths are unique, so the order is total)."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"[/.]", path)), path
+    return tuple((0, int(part), "") if _is_number(part) else (1, 0, part) for part in re.split(r"[/.]", path)), path
+
+
+def _is_number(part: str) -> bool:
+    """Whether a path component is a layer number: ASCII digits only, which `int` always reads."""
+    return part.isascii() and part.isdigit()
 
 
 def _tensor_key(t: TensorSpec) -> tuple:
@@ -264,7 +283,7 @@ def _layer_key(path: str) -> str:
     its first component ('embed', 'final_norm'), so non-block tensors form groups of their own."""
     parts = re.split(r"[/.]", path)
     for i, part in enumerate(parts):
-        if part.isdigit():
+        if _is_number(part):
             return "/".join(parts[: i + 1])
     return parts[0]
 

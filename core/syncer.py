@@ -54,10 +54,16 @@ from ddiloco.core.layout import Layout, LayoutError, TooManyFragments, build_lay
 from ddiloco.core.ledger import Ledger
 from ddiloco.core.merge import Contribution, merge_round
 from ddiloco.core.schedule import Schedule
-from ddiloco.core.weights import token_weight
+from ddiloco.core.weights import TOKENS_MAX, token_weight
 
 PROTOCOL_VERSION = 1
 PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spare cover failures
+# The most one progress report may move a learner's step past both its last report and the global
+# step (a (re)joining learner starts counting from the global step of its welcome). A learner reports
+# at every step that opens a round and at least every half second, so an honest report moves it by a
+# few periods at most; a larger jump is a corrupt counter, and taking it would let one message move
+# the global step (with quorum 1) arbitrarily far.
+STEP_JUMP_MAX = 100_000
 
 
 class LearnerStatus(str, enum.Enum):
@@ -322,12 +328,18 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
     if not (len(ev.versions) == len(ev.steps) == len(ev.tokens) == num) or ev.step < 0:
         _reject(state, ev.learner, Rejection("bad_counters", f"progress must carry {num} versions, steps and tokens"), out)
         return
-    if any(s < 0 or t < 0 or (s == 0 and t > 0) for s, t in zip(ev.steps, ev.tokens)):
-        _reject(state, ev.learner, Rejection("bad_counters", "negative counters, or tokens without steps"), out)
+    if any(not _counters_valid(s, t) for s, t in zip(ev.steps, ev.tokens)):
+        _reject(state, ev.learner, Rejection(
+            "bad_counters", f"counters out of [0, {TOKENS_MAX}], or tokens without steps"), out)
         return
     if ev.step < rec.step:
         # An older report overtaken by a newer one (delivered twice or out of order): its versions
         # and counters are out of date, and taking them would move the ledger's windows back.
+        return
+    base = max(rec.step, state.global_step)
+    if ev.step > base + STEP_JUMP_MAX:
+        _reject(state, ev.learner, Rejection(
+            "bad_counters", f"progress to step {ev.step} jumps more than {STEP_JUMP_MAX} steps past step {base}"), out)
         return
     rec.last_seen = now
     rec.step = ev.step
@@ -418,11 +430,17 @@ def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None
         return Rejection("bad_shape", f"fragment {ev.fragment} has {padded} elements, push has {ev.payload.elements}")
     if ev.payload.codec.value not in state.config.push_codecs:
         return Rejection("bad_shape", f"codec {ev.payload.codec.value} not accepted (accepted: {state.config.push_codecs})")
-    if ev.steps < 0 or ev.tokens < 0 or (ev.steps == 0 and ev.tokens > 0):
-        return Rejection("bad_counters", f"counters steps={ev.steps} tokens={ev.tokens}")
+    if not _counters_valid(ev.steps, ev.tokens):
+        return Rejection("bad_counters", f"counters steps={ev.steps} tokens={ev.tokens}: out of [0, {TOKENS_MAX}],"
+                         " or tokens without steps")
     if not ev.payload.all_finite():
         return Rejection("non_finite", f"outer gradient of fragment {ev.fragment} has NaN or Inf values")
     return None
+
+
+def _counters_valid(steps: int, tokens: int) -> bool:
+    """What `token_weight` takes: both in [0, TOKENS_MAX], and no tokens without steps."""
+    return 0 <= steps <= TOKENS_MAX and 0 <= tokens <= TOKENS_MAX and not (steps == 0 and tokens > 0)
 
 
 def _valid_fragment(state: SyncerState, p: int) -> bool:

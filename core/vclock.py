@@ -12,6 +12,12 @@ name) to a counter. The rules (docs/replay.md):
 A `VClock` is an immutable value: `tick` and `merge` return new clocks, so one thread may hand its
 clock to another without a lock. Entries are bounded by `ENTRIES_MAX`; a clock above it is refused
 rather than truncated, since dropping an entry would silently change what the clock orders.
+
+Counters are bounded by `COUNTER_MAX` (2**53 - 1, what the wire carries). A clock merged from
+another process may hold no counter above `MERGED_COUNTER_MAX` (2**52): a process that takes over a
+counter of its own from a peer (a restarted syncer catching up on its entry) then still has 2**52
+ticks of its own before `COUNTER_MAX`, which no run comes near, so a tick never overflows whatever a
+peer sends. A peer's clock above it is corrupt and is refused (`check_mergeable`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from ddiloco.errors import UserError
 
 ENTRIES_MAX = 4096  # distinct process names in one clock
 NAME_CHARS_MAX = 256
-COUNTER_MAX = 2**63 - 1  # what the wire can carry
+COUNTER_MAX = 2**53 - 1  # what the wire can carry (exact in every JSON reader)
+MERGED_COUNTER_MAX = 2**52  # the largest counter taken from another process's clock
 
 
 class VClockError(UserError, ValueError):
@@ -60,8 +67,10 @@ class VClock:
         return VClock({**self.entries, name: counter})
 
     def merge(self, other: VClock | Mapping[str, int]) -> VClock:
-        """The entrywise maximum (on receipt of a message carrying `other`)."""
+        """The entrywise maximum (on receipt of a message carrying `other`); refuses a clock that
+        `check_mergeable` refuses."""
         theirs = other.entries if isinstance(other, VClock) else _checked(other)
+        check_mergeable(theirs)
         if not theirs:
             return self
         merged = dict(self.entries)
@@ -91,6 +100,17 @@ class VClock:
         return orjson.dumps(self.as_dict())
 
 
+def check_mergeable(values: Mapping[str, int]) -> None:
+    """Raise `VClockError` unless a clock with these (already checked) entries may be merged into
+    another process's: no counter above `MERGED_COUNTER_MAX`."""
+    for name, counter in values.items():
+        if counter > MERGED_COUNTER_MAX:
+            raise VClockError(
+                f"clock entry {name[:40]!r} = {counter} is above {MERGED_COUNTER_MAX} (2**52): a corrupt counter,"
+                " not merged"
+            )
+
+
 def from_mapping(values: Mapping[str, int]) -> VClock:
     return VClock(values)
 
@@ -115,7 +135,7 @@ def _checked(values: Mapping[str, int]) -> dict[str, int]:
         if not isinstance(name, str) or not 0 < len(name) <= NAME_CHARS_MAX:
             raise VClockError(f"clock entry name must be 1 to {NAME_CHARS_MAX} characters, got {str(name)[:40]!r}")
         if type(counter) is not int or not 0 <= counter <= COUNTER_MAX:
-            raise VClockError(f"clock entry {name!r} must be an integer in [0, 2**63), got {counter!r}")
+            raise VClockError(f"clock entry {name[:40]!r} must be an integer in [0, 2**53), got {str(counter)[:40]}")
         if counter:  # an absent name counts 0: leaving zeros out keeps one form per clock
             out[name] = counter
     return out

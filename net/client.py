@@ -31,6 +31,7 @@ from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.errors import FaultError, UserError
 from ddiloco.net import session, tls, wire
+from ddiloco.net.messages import SYNCER_KINDS
 
 log = logging.getLogger("ddiloco.client")
 
@@ -287,7 +288,7 @@ class SyncerClient:
                         pass
 
     async def _read_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        reassembler = wire.Reassembler(self.config.wire)
+        reassembler = wire.Reassembler(self.config.wire, accepted=SYNCER_KINDS)
         async for msg in ws:  # until the connection closes: on close, after the writer's goodbye
             if msg.type is not aiohttp.WSMsgType.BINARY:
                 continue

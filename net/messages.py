@@ -15,8 +15,9 @@ Public surface:
   field that is missing, unknown or wrongly typed.
 
 Every field is checked when a message is built, whether by the sender or by the decoder, so a
-message that exists is a valid one. Integers are non-negative and below 2**63; lists of integers
-are tuples; a vector clock is a `dict[str, int]`. A payload is any C-contiguous buffer (bytes, a
+message that exists is a valid one. Integers are non-negative and at most `INT_MAX` (2**53 - 1);
+lists of integers are tuples; a vector clock is a `dict[str, int]` of at most `vclock.ENTRIES_MAX`
+entries, keyed by names (`NAME_RE`). A payload is any C-contiguous buffer (bytes, a
 numpy array ...) and is kept as a read-only byte `memoryview` over it, without copying: do not
 change the buffer until the message has been encoded.
 """
@@ -34,9 +35,16 @@ from typing import ClassVar
 
 import orjson
 
+from ddiloco.core import vclock
 from ddiloco.core.codec import Codec
 
-INT_MAX = 2**63 - 1  # the largest integer any field may hold; fits every JSON decoder's int64
+# The largest integer any field may hold. Every JSON reader holds it exactly (a float64 has 53 bits
+# of mantissa), and it is far below 2**63, so nothing a receiver computes from a counter (a tick of a
+# clock, a sum of a few counters) can overflow an int64. It is the clocks' own limit.
+INT_MAX = vclock.COUNTER_MAX
+# A learner's name and a vector clock's process names: printable ASCII (they go into logs, the
+# status page and the tape as they are), 1 to vclock.NAME_CHARS_MAX characters.
+NAME_RE = re.compile(rf"[\x20-\x7e]{{1,{vclock.NAME_CHARS_MAX}}}")
 DIGEST_RE = re.compile(r"[0-9a-f]{8,128}")  # a layout digest: lowercase hex, 4 to 64 bytes
 SHOWN_CHARS_MAX = 60  # how much of a bad value an error text quotes
 PEER_URL_CHARS_MAX = 512
@@ -121,7 +129,7 @@ class Hello(_Body):
     peer_url: str = ""
 
     def _check(self) -> None:
-        _require(self.name != "", "Hello.name must not be empty")
+        _check_name("Hello.name", self.name)
         _require(len(self.peer_url) <= PEER_URL_CHARS_MAX, f"Hello.peer_url is above {PEER_URL_CHARS_MAX} characters")
         _require(self.peer_url == "" or self.peer_url.startswith(("http://", "https://")),
                  f"Hello.peer_url must be an http(s) URL, got {_show(self.peer_url)}")
@@ -420,18 +428,26 @@ def _check_int_tuple(where: str, value: object) -> tuple[int, ...]:
 def _check_int(where: str, value: object) -> int:
     # bool and IntEnum are ints to Python but not on this wire
     if type(value) is not int or not 0 <= value <= INT_MAX:
-        raise ValueError(f"{where} must be an int in [0, 2**63), got {_show(value)}")
+        raise ValueError(f"{where} must be an int in [0, 2**53), got {_show(value)}")
     return value
 
 
 def _clock(where: str, value: object) -> dict[str, int]:
     if type(value) is not dict:
         raise ValueError(f"{where} must be an object of str to int, got {_show(value)}")
+    if len(value) > vclock.ENTRIES_MAX:
+        raise ValueError(f"{where} has {len(value)} entries, above the limit of {vclock.ENTRIES_MAX}")
     for key in value:
-        if type(key) is not str or key == "":
-            raise ValueError(f"{where} has a bad key {_show(key)}")
+        _check_name(f"{where} key", key)
         _check_int(f"{where}[{key!r}]", value[key])
     return dict(value)  # a copy: the sender's dict may change after the message is built
+
+
+def _check_name(where: str, name: object) -> None:
+    if type(name) is not str or NAME_RE.fullmatch(name) is None:
+        raise ValueError(
+            f"{where} must be 1 to {vclock.NAME_CHARS_MAX} printable ASCII characters, got {_show(name)}"
+        )
 
 
 def _enum_member(where: str, value: object, *, enum_type: type[enum.Enum]) -> enum.Enum:

@@ -17,7 +17,8 @@ import orjson
 
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
-from ddiloco.core.layout import Layout, TensorSpec
+from ddiloco.core import vclock
+from ddiloco.core.layout import Layout, LayoutError, TensorSpec
 from ddiloco.errors import UserError
 from ddiloco.net import messages as msg
 from ddiloco.net import wire
@@ -143,13 +144,29 @@ def tensors_json(tensors: tuple[TensorSpec, ...]) -> str:
 
 
 def parse_tensors(text: str) -> tuple[TensorSpec, ...]:
+    """The hello's tensor list, `[[path, shape, dtype, embedding], ...]`, each value of its JSON type
+    (nothing is coerced: a number where a path belongs is an error, not a path); TensorSpec checks
+    the values."""
     if len(text) > TENSORS_JSON_BYTES_MAX:
         raise SessionError(msg.ErrorCode.OVERSIZED, f"tensor list of {len(text)} bytes is above the limit", fatal=True)
     try:
         rows = orjson.loads(text)
-        return tuple(TensorSpec(str(p), tuple(s), str(d), bool(e)) for p, s, d, e in rows)
-    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        if type(rows) is not list:
+            raise LayoutError(f"the tensor list must be a JSON array, got {type(rows).__name__}")
+        return tuple(_tensor(i, row) for i, row in enumerate(rows))
+    except (orjson.JSONDecodeError, LayoutError) as exc:
         raise SessionError(msg.ErrorCode.BAD_LAYOUT, f"malformed tensor list in hello: {exc}", fatal=True) from exc
+
+
+def _tensor(index: int, row: object) -> TensorSpec:
+    if type(row) is not list or len(row) != 4:
+        raise LayoutError(f"tensor {index} must be [path, shape, dtype, embedding], got {_shown(row)}")
+    path, shape, dtype, embedding = row
+    if type(shape) is not list or any(type(d) is not int for d in shape):
+        raise LayoutError(f"tensor {index}: shape must be a list of integers, got {_shown(shape)}")
+    if type(dtype) is not str or type(embedding) is not bool:
+        raise LayoutError(f"tensor {index}: dtype must be a string and embedding a bool, got {_shown(row)}")
+    return TensorSpec(path, tuple(shape), dtype, embedding)
 
 
 def parse_peers(text: str) -> tuple[PeerInfo, ...]:
@@ -227,6 +244,7 @@ def client_view(m: msg.Message) -> object:
 
 def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | None) -> ev.Event | None:
     """The core event for a learner message; SessionError when it is out of place or malformed."""
+    _check_clock(m)
     if isinstance(m, msg.Hello):
         if learner is not None:
             raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, "a second hello on one connection", fatal=True)
@@ -293,6 +311,21 @@ def error_frames(exc: wire.WireError, message_id: int, limits: wire.WireLimits) 
 
 def is_fatal(exc: wire.WireError) -> bool:
     return bool(exc.fatal)
+
+
+def _shown(value: object) -> str:
+    """A bounded repr: the values quoted come from a peer and may be huge."""
+    text = repr(value)
+    return text if len(text) <= msg.SHOWN_CHARS_MAX else text[: msg.SHOWN_CHARS_MAX - 3] + "..."
+
+
+def _check_clock(m: msg.Message) -> None:
+    """The syncer merges the clock of every learner message into its own: one it could not merge
+    is refused here, with the message, rather than dropped in silence later."""
+    try:
+        vclock.check_mergeable(getattr(m, "clock", {}))
+    except vclock.VClockError as exc:
+        raise SessionError(msg.ErrorCode.BAD_MESSAGE, f"{type(m).__name__}.clock: {exc}") from exc
 
 
 def _fragment_size(layout: Layout | None, fragment: int) -> int:

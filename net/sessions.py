@@ -18,6 +18,7 @@ import numpy as np
 from aiohttp import WSMsgType, web
 from ddiloco.core.events import Log, Merged, SendWelcome
 from ddiloco.core.syncer import SyncerState
+from ddiloco.net.messages import LEARNER_KINDS
 from ddiloco.net import messages as msg
 from ddiloco.net import session, wire
 from ddiloco.net.auth import bearer_matches
@@ -64,7 +65,7 @@ class Sessions:
         conn = Connection(next(self._conn_ids), ws, self.config.queues, sent=self._count_sent)
         self.conns[conn.conn_id] = conn
         await self.core.submit(Opened(conn.conn_id))
-        reassembler = wire.Reassembler(self.config.wire)
+        reassembler = wire.Reassembler(self.config.wire, accepted=LEARNER_KINDS)  # refused before any buffer
         writer = asyncio.create_task(self._write(conn), name=f"ddiloco-writer-{conn.conn_id}")
         try:
             async for frame in ws:

@@ -39,7 +39,6 @@ from ddiloco.errors import UserError
 from ddiloco.net.messages import (
     BULK_KINDS,
     CLASS_OF_KIND,
-    INT_MAX,
     Error,
     ErrorCode,
     Kind,
@@ -60,6 +59,7 @@ META_BYTES_MIN = 2  # "{}"
 META_ALIGN_BYTES = 8  # the JSON meta is padded with spaces so a lone frame's payload is 8-aligned
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
+I64_MAX = 2**63 - 1  # the body length a message may declare stays a signed 64-bit count
 CONTROL_BYTES_MIN = 256  # any smaller and an Error with a short text would not fit
 FRAME_BYTES_MIN = 128  # a header and a few bytes; tiny frames are for tests
 
@@ -106,7 +106,7 @@ class WireLimits:
                 f"WireLimits.frame_bytes_max must be at least {FRAME_BYTES_MIN}, got"
                 f" {self.frame_bytes_max}"
             )
-        if not self.control_bytes_max <= self.message_bytes_max <= INT_MAX:
+        if not self.control_bytes_max <= self.message_bytes_max <= I64_MAX:
             raise ValueError(
                 f"WireLimits.message_bytes_max ({self.message_bytes_max}) must be at least"
                 f" control_bytes_max ({self.control_bytes_max}) and below 2**63"

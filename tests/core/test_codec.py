@@ -92,6 +92,17 @@ def test_parse_refuses_malformed(mutate, message):
         codec.parse(mutate(payload))
 
 
+@pytest.mark.parametrize("name", ["int4", "int2", "int1"])
+def test_negative_block_scale_is_refused_at_parse(name):
+    # it passed all_finite, then the merge kernel refused it and the syncer core stopped (ddiloco fuzz)
+    raw = bytearray(codec.encode(gaussian(256), name))
+    raw[codec.HEADER_BYTES : codec.HEADER_BYTES + 4] = np.float32(-0.5).tobytes()  # first scale
+    with pytest.raises(CodecError, match="negative block scale"):
+        codec.parse(raw)
+    raw[codec.HEADER_BYTES : codec.HEADER_BYTES + 4] = np.float32(-0.0).tobytes()  # a zero scale, sign and all
+    assert codec.parse(raw).all_finite()
+
+
 def test_parse_refuses_unexpected_size():
     with pytest.raises(CodecError, match="expected 512"):
         codec.parse(codec.encode(gaussian(256), "int4"), elements=512)

@@ -184,3 +184,36 @@ def test_malformed_description():
     good = build_layout([TensorSpec("a", (2,))], 1).describe()
     with pytest.raises(LayoutError, match="format"):
         layout_from_description({**good, "format": 99})
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["blocks/\u00b2/w", "blocks/\u0663/w", "blocks/\u2460"],  # '²', Arabic-Indic three, circled one: isdigit() is True
+)
+def test_non_ascii_digits_are_a_layout_error_not_a_crash(path):
+    # int() refuses these although str.isdigit() accepts them: the layout used to raise a bare
+    # ValueError while sorting. Such a path is refused where it is built, with the reason.
+    with pytest.raises(LayoutError, match="printable ASCII"):
+        TensorSpec(path, (4,))
+
+
+@pytest.mark.parametrize("path", ["a\nb", "tab\there", "na\u00efve", "\x00"])
+def test_path_alphabet_is_printable_ascii(path):
+    with pytest.raises(LayoutError, match="printable ASCII"):
+        TensorSpec(path, (4,))
+
+
+def test_numbered_components_are_ascii_digits_only():
+    ts = [TensorSpec("blocks/10/w", (4,)), TensorSpec("blocks/9/w", (4,)), TensorSpec("blocks/x9/w", (4,))]
+    layout = build_layout(ts, 3, Strategy.TENSOR)  # one tensor per fragment, in natural order
+    assert [p[0] for p in paths(layout)] == ["blocks/9/w", "blocks/10/w", "blocks/x9/w"]
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [((0, 2**40), "dimensions or one above"), ((1,) * 33, "dimensions or one above"), ((True, 2), "non-negative"),
+     (5, "sequence of integers")],
+)
+def test_shapes_beyond_what_a_fragment_holds_are_refused(shape, message):
+    with pytest.raises(LayoutError, match=message):
+        TensorSpec("w", shape)

@@ -25,7 +25,8 @@ from ddiloco.core.events import (
 )
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.layout import TensorSpec
-from ddiloco.core.syncer import LearnerStatus
+from ddiloco.core.syncer import STEP_JUMP_MAX, LearnerStatus
+from ddiloco.core.weights import TOKENS_MAX
 
 TENSORS = (
     TensorSpec("embed", (64, 8), embedding=True),
@@ -214,6 +215,9 @@ def test_stale_push_rejected_and_current_version_resent():
         (dict(vec=np.full(256, np.nan, dtype=np.float32), name="fp32"), "non_finite"),
         (dict(vec=np.zeros(128, dtype=np.float32)), "bad_shape"),
         (dict(tokens=5, steps=0), "bad_counters"),
+        # token_weight refuses counters above TOKENS_MAX: admission refuses them first
+        (dict(tokens=TOKENS_MAX + 1), "bad_counters"),
+        (dict(steps=TOKENS_MAX + 1), "bad_counters"),
     ],
 )
 def test_bad_pushes_rejected_state_untouched(change, code):
@@ -416,3 +420,31 @@ def test_progress_overtaken_by_a_newer_one_is_ignored():
     assert rec.step == 3 and rec.versions == held
     assert h.state.ledger.reported == reported
     h.state.ledger.check()
+
+
+def test_progress_that_jumps_too_far_is_refused_and_moves_nothing():
+    h = Harness(quorum=1)
+    two_live(h)
+    h.progress(1, 4)
+    assert h.state.global_step == 4
+    before = syncer.state_hash(h.state)
+    rounds = [f.rounds_opened for f in h.state.fragments]
+    eff = h.progress(1, 4 + STEP_JUMP_MAX + 1)
+    (err,) = h.of(SendError, eff)
+    assert err.code == "bad_counters" and f"more than {STEP_JUMP_MAX} steps past step 4" in err.text
+    assert h.state.learners[1].step == 4 and h.state.global_step == 4
+    assert [f.rounds_opened for f in h.state.fragments] == rounds and syncer.state_hash(h.state) == before
+    # the largest jump allowed is taken, and measured from the global step for a learner behind it
+    assert not h.of(SendError, h.progress(1, 4 + STEP_JUMP_MAX))
+    assert h.state.global_step == 4 + STEP_JUMP_MAX
+    assert not h.of(SendError, h.progress(2, 4 + 2 * STEP_JUMP_MAX))
+
+
+def test_progress_counters_above_the_weight_limit_are_refused():
+    h = Harness(quorum=1)
+    two_live(h)
+    versions = tuple(f.version for f in h.state.fragments)
+    eff = h.send(Progress(1, 1, versions, (1, 1), (TOKENS_MAX + 1, 1)))
+    (err,) = h.of(SendError, eff)
+    assert err.code == "bad_counters" and str(TOKENS_MAX) in err.text
+    assert h.state.learners[1].step == 0

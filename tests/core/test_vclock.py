@@ -62,3 +62,18 @@ def test_bad_json_is_refused():
         vclock.from_json(b"{not json")
     with pytest.raises(VClockError, match="object"):
         vclock.from_json(b"[1]")
+
+
+def test_a_peer_counter_too_close_to_the_limit_is_not_merged_so_ticks_never_overflow():
+    top = VClock({"syncer": vclock.MERGED_COUNTER_MAX})
+    assert VClock().merge(top).tick("syncer").get("syncer") == vclock.MERGED_COUNTER_MAX + 1
+    with pytest.raises(VClockError, match="above"):
+        VClock().merge({"syncer": vclock.MERGED_COUNTER_MAX + 1})
+    with pytest.raises(VClockError, match="above"):
+        VClock().merge(VClock({"a": vclock.COUNTER_MAX}))  # a clock value is checked like a mapping
+    # what is merged leaves 2**52 ticks: far more than any run makes
+    assert vclock.COUNTER_MAX - vclock.MERGED_COUNTER_MAX >= 2**52 - 1
+    with pytest.raises(VClockError, match="overflows"):
+        VClock({"a": vclock.COUNTER_MAX}).tick("a")
+    with pytest.raises(VClockError, match="2\\*\\*53"):
+        VClock({"a": vclock.COUNTER_MAX + 1})

@@ -7,7 +7,9 @@ import zlib
 import numpy as np
 import pytest
 
+from ddiloco.core import vclock
 from ddiloco.net.messages import (
+    INT_MAX,
     LEARNER_KINDS,
     Bye,
     CodecName,
@@ -127,6 +129,19 @@ def test_encode_refuses_messages_over_the_limits() -> None:
         (lambda: Init(fragment=0, element_count=2, clock={}, payload=np.zeros(4)[::2]),
          "Init.payload"),
         (lambda: Init(fragment=0, element_count=2, clock={}, payload=[0.0, 1.0]), "Init.payload"),
+        # the counter limit: 2**53 - 1, far below 2**63, so no tick or sum of counters overflows
+        (lambda: Push(fragment=0, round=0, base_version=0, steps=1, tokens=INT_MAX + 1, codec="fp32",
+                      block=128, element_count=0, clock={}, payload=b""), r"Push.tokens must be an int in \[0, 2\*\*53\)"),
+        (lambda: Progress(step=2**63 - 1, held_versions=(), fragment_steps=(), fragment_tokens=(), clock={}),
+         "Progress.step"),
+        (lambda: Init(fragment=0, element_count=0, clock={"syncer": 2**63 - 1}, payload=b""), "Init.clock"),
+        (lambda: Hello(name="a\nb", layout_digest=DIGEST, shard=0, resume_learner_id=None,
+                       held_versions=(), clock={}, tensors_json="[]"), "Hello.name must be 1 to 256 printable ASCII"),
+        (lambda: Hello(name="x" * 257, layout_digest=DIGEST, shard=0, resume_learner_id=None,
+                       held_versions=(), clock={}, tensors_json="[]"), "Hello.name"),
+        (lambda: Init(fragment=0, element_count=0, clock={"\u00b2": 1}, payload=b""), "Init.clock key"),
+        (lambda: Init(fragment=0, element_count=0, clock={f"p{i}": 1 for i in range(vclock.ENTRIES_MAX + 1)},
+                      payload=b""), "Init.clock has 4097 entries"),
     ],
 )
 def test_invalid_messages_cannot_be_built(build, named: str) -> None:

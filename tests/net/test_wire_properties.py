@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddiloco.net.messages import (
+    INT_MAX,
     BULK_KINDS,
     Bye,
     CodecName,
@@ -35,9 +36,9 @@ CONTROL_BYTES = 512
 LIMITS_BIG = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=1 << 16,
                         message_bytes_max=1 << 16)
 
-counts = st.integers(0, 2**63 - 1)
+counts = st.integers(0, INT_MAX)
 small_counts = st.integers(0, 10**6)
-names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=8)
+names = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=8)  # printable ASCII
 digests = st.text("0123456789abcdef", min_size=8, max_size=32)
 clocks = st.dictionaries(names, counts, max_size=3)
 count_lists = st.lists(counts, max_size=4).map(tuple)
