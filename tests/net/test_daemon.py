@@ -572,6 +572,23 @@ async def test_backoff_starts_short_again_after_a_connection_that_worked(tmp_pat
     await asyncio.wait_for(task, 10)
 
 
+async def test_a_lost_syncer_is_retried_at_most_rejoin_s_max_apart_for_the_rejoin_window(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddiloco.client")
+    s = Syncer(tmp_path)
+    await s.start()
+    client = SyncerClient(ClientConfig(url=s.ws_url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
+                                       reconnect_s_min=0.01, rejoin_s_max=0.04, reconnect_s_max=5.0))
+    task = asyncio.ensure_future(client.run())
+    await until(lambda: client.inbox.welcomes == 1, what="the welcome")
+    await s.server.stop()  # a syncer that was just reachable goes away (a restart)
+    retries = lambda: [r.getMessage() for r in caplog.records if "retrying in about" in r.getMessage()]
+    await until(lambda: len(retries()) >= 8, what="retries against the syncer that went away")
+    delays = [float(m.split("retrying in about ")[1].split()[0]) for m in retries()]
+    assert max(delays) == 0.04  # grown to rejoin_s_max, never towards reconnect_s_max
+    await client.close()
+    await asyncio.wait_for(task, 10)
+
+
 # ---- faults: one learner's failure is that learner's; the core's own stops the daemon ------------
 
 
