@@ -237,14 +237,19 @@ class SyncerServer:
         self.core.close()
         self._stopped.set()
 
-    async def serve_forever(self) -> None:
+    async def serve_forever(self, warmup: Callable[[], None] | None = None) -> None:
         """Run until SIGTERM or SIGINT, then stop with a checkpoint. Raises CoreFailed when the core
-        failed (the daemon has stopped by then)."""
+        failed (the daemon has stopped by then). `warmup` (the kernels' compilation) runs on the core
+        thread before any item: after the daemon listens, so that the learners reconnect and say
+        hello meanwhile (a restarted syncer's outage), and before the first merge, whose measured
+        cost would otherwise include it (it sets the grace window, core.grace)."""
         loop = asyncio.get_running_loop()
         signalled = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signalled.set)
         await self.start()
+        if warmup is not None:
+            self._spawn(self.core.call(lambda: _timed_warmup(warmup)))
         waits = [asyncio.ensure_future(signalled.wait()), asyncio.ensure_future(self._stopped.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
@@ -409,6 +414,12 @@ class SyncerServer:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed: %r", task.exception())
+
+
+def _timed_warmup(warmup: Callable[[], None]) -> None:
+    started = time.perf_counter()
+    warmup()
+    log.info("kernels warmed up in %.2f s", time.perf_counter() - started)
 
 
 def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:
