@@ -184,7 +184,6 @@ def run(args: argparse.Namespace) -> int:
         log.info("no init: version 0 will come from the first learner's hello")
     if token is None:
         log.warning("no auth token: any peer that reaches %s:%d may join", v["host"], v["port"])
-    kernels.warmup()
     with user_input():  # ServerConfig checks the values the settings gave
         server_config = server.ServerConfig(
             host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
@@ -200,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("checkpoints of run %s go to %s", daemon.checkpoints.store.run, daemon.checkpoints.store.directory)
     daemon.tape = _open_tape(v, state, log)
     server.use_uvloop()
-    asyncio.run(daemon.serve_forever())
+    asyncio.run(daemon.serve_forever(warmup=kernels.warmup))  # after listening: a restart's outage is shorter
     # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
     return 0 if daemon.checkpoints.healthy else 1
 

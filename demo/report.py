@@ -38,6 +38,7 @@ class DemoReport:
     catch_up: list = field(default_factory=list)  # per recovery: restart -> live at the syncer, seconds
     syncer_kills: int = 0
     syncer_outage_s: float | None = None  # syncer killed -> first merge after its restart
+    syncer_restart: dict | None = None  # the restart step by step (demo.supervisor.restart_timeline)
     curves: dict = field(default_factory=dict)  # "learners"/"baseline": [[tokens, train loss], ...]
     config: dict = field(default_factory=dict)
     tokens_trained: int = 0  # by all learners, from the ledger (the budget is the baseline's)
@@ -130,6 +131,13 @@ def report_text(r: DemoReport) -> str:
     if r.syncer_kills:
         outage = "-" if r.syncer_outage_s is None else f"{r.syncer_outage_s:.1f} s"
         lines.append(f"syncer kill    {r.syncer_kills}, restarted from its checkpoint; kill to next merge {outage}")
+        if r.syncer_restart:
+            names = {"restart_delay_s": "restart delay", "start_and_imports_s": "start and imports",
+                     "resume_and_listen_s": "resume and listen", "warmup_s": "kernel warm-up",
+                     "rejoin_s": "learners back", "first_round_s": "first round"}
+            parts = ", ".join(f"{text} {r.syncer_restart[k]:.2f} s" for k, text in names.items()
+                              if r.syncer_restart.get(k) is not None)
+            lines.append(f"               ({parts}; warm-up overlaps the learners' return)")
     return "\n".join(lines + [
         f"merges         {r.merges}",
         *ledger_lines(r.ledger or {}, int(r.config.get("fragments", 1))),

@@ -18,6 +18,7 @@ merges longer than two fragment periods (such a gap counts whole). A syncer outa
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +121,7 @@ class Demo:
         self.learners = [LearnerProcess(i) for i in range(cfg.learners)]
         self.logs = [LossLog(work / f"learner{i}.jsonl") for i in range(cfg.learners)]
         self.started = time.monotonic()
+        self.wall_started = time.time()  # the syncer's log lines are stamped in wall time
         self.step = 0  # the syncer's global step at the last status
         for lr in self.learners:
             self.spawn(lr)
@@ -153,7 +156,7 @@ class Demo:
             if s.proc.poll() is not None:
                 raise RuntimeError(f"the syncer exited ({s.proc.returncode}); its log:\n{s.log.read_text()[-2000:]}")
             return
-        if now - s.killed_at < self.cfg.restart_delay_s:
+        if now - s.killed_at < self.cfg.syncer_restart_delay_s:
             return
         s.proc.wait()
         self.syncer = _start_syncer(self.cfg, self.work, self.token_file, port=self.port, resume=True, starts=s.starts + 1)
@@ -270,6 +273,44 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
     return _report(cfg, demo, work, merge_times, final, outage)
 
 
+# What the restarted syncer logs at each step of its way back (net.server, cli/syncer.py, the core).
+_RESTART_STEPS = (("up_at", "INFO ddiloco.syncer: config "), ("listening_at", "syncer listening on"),
+                  ("warmed_up_at", "kernels warmed up"), ("first_join_at", ") joined as"),
+                  ("first_merge_at", ": merged "))
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def restart_timeline(log_text: str, wall_started: float, killed_at: float, restarted_at: float) -> dict:
+    """The restart of a killed syncer, step by step, in the demo's seconds: the kill and the restart
+    (the supervisor's), then from the restarted syncer's log: its first line (interpreter and
+    imports), listening (checkpoint read, server up), kernels warmed up (on the core thread, while
+    the learners reconnect), the first learner joined (behind the warm-up), its first merge; and
+    the phases between them. The outage is the kill to that merge, to the log's millisecond."""
+    at: dict[str, float | None] = {"killed_at": killed_at, "restarted_at": restarted_at}
+    for key, _ in _RESTART_STEPS:
+        at[key] = None
+    for line in log_text.splitlines():
+        stamp = _STAMP.match(line)
+        if stamp is None:
+            continue
+        for key, marker in _RESTART_STEPS:
+            if at[key] is None and marker in line:
+                t = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_started
+                at[key] = round(t, 3)
+
+    def span(a: str, b: str) -> float | None:
+        return None if at[a] is None or at[b] is None else round(at[b] - at[a], 3)
+
+    phases = {"restart_delay_s": span("killed_at", "restarted_at"),
+              "start_and_imports_s": span("restarted_at", "up_at"),
+              "resume_and_listen_s": span("up_at", "listening_at"),
+              "warmup_s": span("listening_at", "warmed_up_at"),
+              "rejoin_s": span("listening_at", "first_join_at"),
+              "first_round_s": span("first_join_at", "first_merge_at"),
+              "outage_s": span("killed_at", "first_merge_at")}
+    return {**at, **phases}
+
+
 def _report(cfg: DemoConfig, demo: Demo, work: Path, merge_times: list[float], final: dict, outage) -> DemoReport:
     wall = demo.now()
     trained_until = max((lr.finished_at or wall) for lr in demo.learners)
@@ -284,6 +325,13 @@ def _report(cfg: DemoConfig, demo: Demo, work: Path, merge_times: list[float], f
     uptime, longest = uptime_and_longest_gap(merge_times, trained_until, wall, cfg)
     tokens_per_step = cfg.learners * cfg.batch * mcfg.seq
     events = [{**e, "tokens": e["step"] * tokens_per_step} for e in demo.events]
+    restart = None
+    kill = next((e["t"] for e in demo.events if e["what"] == "kill-syncer"), None)
+    again = next((e["t"] for e in demo.events if e["what"] == "restart-syncer"), None)
+    if kill is not None and again is not None:
+        restart = restart_timeline(demo.syncer.log.read_text(), demo.wall_started, kill, again)
+        if restart["outage_s"] is not None:
+            outage = restart["outage_s"]  # to the millisecond, not to the poll
     return DemoReport(
         eval_loss=merged_loss, eval_bits_per_byte=merged_loss / np.log(2),
         baseline_eval_loss=base_loss, baseline_bits_per_byte=None if base_loss is None else base_loss / np.log(2),
@@ -293,7 +341,7 @@ def _report(cfg: DemoConfig, demo: Demo, work: Path, merge_times: list[float], f
         recoveries=sum(1 for e in events if e["what"] == "restart"),
         merges=int(final.get("merges", 0)), ledger=final.get("ledger", {}), wall_s=wall, events=events,
         catch_up=demo.catch_up, syncer_kills=sum(1 for e in events if e["what"] == "kill-syncer"),
-        syncer_outage_s=None if outage is None else round(outage, 2),
+        syncer_outage_s=None if outage is None else round(outage, 2), syncer_restart=restart,
         curves={"learners": learner_curve(demo.logs, tokens_per_step), "baseline": base_curve},
         config=asdict(cfg),
         tokens_trained=trained_tokens(final) if final.get("ledger") else 0, token_budget=cfg.token_budget,

@@ -67,6 +67,12 @@ class ClientConfig:
     peer_url: str = ""  # advertised in the hello: where this learner serves its state (net.peer)
     reconnect_s_min: float = 0.05
     reconnect_s_max: float = 5.0
+    # A syncer that welcomed this client and then went away is most likely restarting (a crash, a
+    # deploy: back within seconds): for this long after losing it, the backoff grows to at most
+    # rejoin_s_max, so the learner is back within about that of the syncer (not up to 1.5 x
+    # reconnect_s_max later, as after a long outage); failed connects to a refusing port are cheap.
+    rejoin_s_max: float = 0.25
+    rejoin_window_s: float = 30.0
     connect_timeout_s: float = 10.0
     heartbeat_s: float = 20.0  # websocket ping interval; a syncer silent for half of it is gone
     progress_queued_max: int = 64  # coalesced beyond this: only the newest progress matters
@@ -92,6 +98,8 @@ class ClientConfig:
             raise ClientConfigError(f"a TLS CA file only applies to a wss:// syncer URL, got {self.url!r}")
         if not 0 < self.reconnect_s_min <= self.reconnect_s_max:
             raise ClientConfigError("need 0 < reconnect_s_min <= reconnect_s_max")
+        if self.rejoin_s_max <= 0 or self.rejoin_window_s < 0:
+            raise ClientConfigError("need rejoin_s_max > 0 and rejoin_window_s >= 0")
         if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
             raise ClientConfigError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
         if not 0 <= self.close_drain_s <= CLOSE_DRAIN_S_MAX:
@@ -136,6 +144,7 @@ class SyncerClient:
         self._drain_until = 0.0  # on the loop's clock, set by close
         self._serving: asyncio.Future | None = None  # the current connection, cancelled if close overruns
         self._rng = rng or random.Random(0)  # jitter of the backoff only
+        self._lost_at: float | None = None  # on the loop's clock: when a welcomed connection was lost
         self.last_error: str | None = None
         self.bytes_out = 0
         self.pushes_dropped = 0  # pushes refused for a full queue (the round asks again)
@@ -231,11 +240,18 @@ class SyncerClient:
             self.connected.clear()
             if self._closing:
                 return
+            now = asyncio.get_running_loop().time()
+            if self.inbox.welcomes > welcomes:
+                self._lost_at = now
             try:  # the backoff, cut short by close
                 await asyncio.wait_for(self._closed.wait(), delay * (0.5 + self._rng.random()))
             except TimeoutError:
                 pass
-            delay = min(delay * 2, self.config.reconnect_s_max)
+            rejoining = self._lost_at is not None and now - self._lost_at < self.config.rejoin_window_s
+            cap = self.config.reconnect_s_max
+            if rejoining:
+                cap = min(cap, self.config.rejoin_s_max)
+            delay = max(self.config.reconnect_s_min, min(delay * 2, cap))
 
     def _backoff(self, delay: float, welcomes: int, exc: BaseException) -> float:
         """Note the failure; the backoff before the next attempt. A connection that was welcomed

@@ -194,13 +194,21 @@ async def _epoch(config: FuzzConfig, report: FuzzReport, rng: np.random.Generato
             batch: list[str] = []
             for _ in range(config.batch_frames):
                 peer = hostile[int(rng.integers(len(hostile)))]
-                batch.append(await peer.fuzz_once(rng))
+                try:
+                    batch.append(await peer.fuzz_once(rng))
+                except aiohttp.ClientConnectorError as exc:
+                    # A daemon whose core failed stops listening (net.server): a death, not a harness error.
+                    watch.core_dead = True
+                    report.failures.append(f"batch {report.batches + 1}: the daemon stopped listening ({exc}); "
+                                           f"sent: {', '.join(batch[-20:])}")
+                    report.failures += [f"batch {report.batches + 1}: {record}" for record in errors.records]
+                    break
             report.batches += 1
-            problems = await watch.check(report, errors)
+            problems = [] if watch.core_dead else await watch.check(report, errors)
             if problems:
                 report.failures += [f"batch {report.batches}: {p}" for p in problems]
                 report.failures.append(f"batch {report.batches} sent: {', '.join(batch[-20:])}")
-            else:
+            elif not watch.core_dead:
                 report.checks_passed += 1
             if watch.core_dead:
                 report.core_deaths += 1

@@ -1,5 +1,9 @@
 """The daemon's HTTP endpoints: health, metrics, status, the operator's page, checkpoint and snapshot requests.
 
+`/healthz` answers JSON: `status` (ok, degraded or failing; net.health says when), the `reasons`,
+the core loop's and the checkpoints' facts; 503 when failing, 200 otherwise. `/status` carries the
+same `core` and `checkpoint` sections.
+
 Status and metrics read the `SyncerView` the core thread last published (net.telemetry), never the
 state the core is changing; the two that change state run on the core thread, between two events.
 /metrics is prometheus_client's exposition of the daemon's own registry (net.telemetry.new_registry);
@@ -13,7 +17,7 @@ import asyncio
 import orjson
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
-
+from ddiloco.net import health
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.items import SnapshotStart
@@ -32,8 +36,15 @@ def routes(server) -> list[web.RouteDef]:
         token = server.config.auth_token
         return token is not None and bearer_matches(request.headers.get("Authorization"), token)
 
+    def checkpoint_health():
+        """(the store's health, now on the store's clock); (None, 0) without a checkpoint directory."""
+        checkpoint_store = server.checkpoints.store
+        return (None, 0.0) if checkpoint_store is None else (checkpoint_store.health, checkpoint_store.clock())
+
     async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+        verdict = health.judge(server.core.health(), *checkpoint_health(), server.config.core_stall_s_max)
+        return web.Response(body=orjson.dumps(verdict.document), status=verdict.http_status,
+                            content_type="application/json")
 
     registry = new_registry(lambda: reading(server))
 
@@ -46,6 +57,7 @@ def routes(server) -> list[web.RouteDef]:
 
     async def status(request: web.Request) -> web.Response:
         doc = status_document(reading(server), server.started_at)
+        doc["core"] = health.core_section(server.core.health())
         return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
     async def page(request: web.Request) -> web.Response:

@@ -10,7 +10,25 @@ of the state (net.telemetry.SyncerView) that /status and /metrics read.
 HTTP: `/healthz`, `/metrics` (Prometheus), `/status` (JSON), `/` (a small live page), `POST
 /checkpoint` and `POST /snapshot` (a consistent snapshot of syncer, learners and messages in flight,
 net.snapshot; token required). `/ws` is the learners' websocket; with a token configured the upgrade
-is refused with 401 unless `Authorization: Bearer <token>` matches.
+is refused with 401 unless `Authorization: Bearer <token>` matches. Every connection goes through a
+guard (net.guard): a deadline for its HTTP request, one for each websocket frame, a limit per address.
+
+Faults: no single message from any peer may take the daemon down.
+
+- An exception while the core thread handles one learner's item (translating its message, the
+  core's `handle` of its event, the shell routing the effects) is that learner's error: one ERROR
+  line with the learner, the connection, the kind and the traceback; the learner gets an `internal`
+  error frame with the exception's text and is disconnected (a Disconnect reaches the core, which
+  stops waiting for it); the core serves the others on.
+- A broken invariant is the core's own failure and stops the daemon: an AssertionError anywhere,
+  an exception on an item no learner sent (a timer, a merge cost, a snapshot step), or a learner's
+  fault after which the core's token ledger no longer balances. The daemon closes every connection,
+  writes a last checkpoint only of a state that is whole, and ends with `CoreFailed` (exit status 1).
+  Whole: the core completed its last event and the failure came after (in routing its effects, in
+  a snapshot step). A failure inside `core.handle` may leave the state half-changed (the core updates
+  its fragments in place, and copying tens of millions of floats per event to keep the one before
+  is not affordable): that state is never checkpointed, and the newest checkpoint already on disk,
+  written between two events, is the last good state a restart resumes from.
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+
 from ddiloco.core import syncer as core
 from ddiloco.core.events import Disconnect
 from ddiloco.core.vclock import VClock
@@ -32,7 +51,8 @@ from ddiloco.net import recording, session, store, tls, wire
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.checkpoints import Checkpoints
 from ddiloco.net.connection import QueueLimits
-from ddiloco.net.core_loop import CoreLoop
+from ddiloco.net.core_loop import CoreFailed, CoreLoop
+from ddiloco.net.guard import Guard, GuardLimits
 from ddiloco.net.http import routes
 from ddiloco.net.items import (
     Closed,
@@ -48,9 +68,11 @@ from ddiloco.net.sessions import Sessions
 from ddiloco.net.shell import Shell
 from ddiloco.net.telemetry import Metrics, SyncerView, view_of
 
-__all__ = ["SYNCER_CLOCK_NAME", "ServerConfig", "SyncerServer", "use_uvloop"]
+__all__ = ["CORE_STALL_S_MAX_DEFAULT", "SYNCER_CLOCK_NAME", "CoreFailed", "ServerConfig", "SyncerServer", "use_uvloop"]
 
 log = logging.getLogger("ddiloco.syncer")
+ERROR_TEXT_CHARS_MAX = 500  # of an exception's text sent to the learner it concerns (the log has all of it)
+CORE_STALL_S_MAX_DEFAULT = 30.0  # a core that completes nothing this long while work waits is unhealthy
 
 
 @dataclass(frozen=True)
@@ -73,10 +95,16 @@ class ServerConfig:
     # PEM files: with both, the daemon serves https:// and wss:// only (net.tls)
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # /healthz fails when the core has completed no item this long while items wait (a merge of the
+    # largest fragments takes well under a second; 30 s is a core that is stuck, not busy)
+    core_stall_s_max: float = CORE_STALL_S_MAX_DEFAULT
+    guard: GuardLimits = field(default_factory=GuardLimits)  # slow peers and connections per address
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.core_stall_s_max <= 0:
+            raise ValueError(f"core_stall_s_max must be positive, got {self.core_stall_s_max}")
         if self.snapshot_every_s < 0 or self.snapshot_wait_s_max <= 0 or self.snapshots_kept < 1:
             raise ValueError("snapshot_every_s must be >= 0, snapshot_wait_s_max and snapshots_kept positive")
         if self.snapshot_every_s and self.snapshot_dir is None:
@@ -117,14 +145,20 @@ class SyncerServer:
             config.checkpoint_dir, config.run_id, overwrite=config.checkpoint_overwrite, keep=config.checkpoints_kept)
         self.checkpoints = Checkpoints(checkpoint_store, self.metrics)
         self.snapshots = snapshots.Taker(config.snapshot_dir, config.snapshots_kept)
-        self.core: CoreLoop[CoreItem] = CoreLoop(self._on_item, config.events_queued_max)
+        self.core: CoreLoop[CoreItem] = CoreLoop(self._on_item, config.events_queued_max, clock)
+        self.guard = Guard(config.guard)
+        self.failure: CoreFailed | None = None  # set when the core failed and the daemon stopped on it
+        self._in_core = False  # between `before` and `observe`: inside core.handle, the state may be half-changed
+        self._stopped: asyncio.Event | None = None
+        self._watch: asyncio.Task | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._stopping = False
         self._background: set[asyncio.Task] = set()
         self._snapshot_waiters: list[asyncio.Future] = []  # the event loop's
         self.sessions = Sessions(config, self.metrics, self.core, self.recorder, self.checkpoints, clock,
-                                 self._spawn, lambda: self._stopping)
+                                 self._spawn, lambda: self._stopping, self.guard)
         self.shell = Shell(state, self.sessions, merge_cost=self._merge_cost, stopwatch=time.perf_counter,
-                           before=self._before, observe=self.recorder.after)
+                           before=self._before, observe=self._after)
         self.view: SyncerView = view_of(state)  # replaced by the core thread after each item
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -157,32 +191,45 @@ class SyncerServer:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=1 << 20, middlewares=[self.guard.middleware])
         app.add_routes(routes(self))
         return app
 
     async def start(self) -> int:
         # Made before anything starts: a certificate that cannot be used fails the start, never a handshake.
         ssl_context = tls.server_context(self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
-        self.sessions.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        self.sessions.loop = loop
+        self._stopped = asyncio.Event()
         self.core.start()
+        self._watch = loop.create_task(self._stop_on_core_failure(), name="ddiloco-core-watch")
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the port the OS chose for port 0
+        # Our own listener rather than a TCPSite: every connection's protocol is wrapped by the guard.
+        self._listener = await loop.create_server(self.guard.wrap(self._runner.server), self.config.host,
+                                                  self.config.port, reuse_address=True,
+                                                  ssl=ssl_context)
+        self.port = self._listener.sockets[0].getsockname()[1]  # the port the OS chose for port 0
         if self.config.snapshot_every_s:
             self._spawn(self._snapshot_timer())
         log.info("syncer listening on %s:%d%s", self.config.host, self.port, " (TLS: https, wss)" if ssl_context else "")
         return self.port
 
     async def stop(self, *, checkpoint: bool = True) -> None:
-        """Close every connection, drain the core, write a last checkpoint."""
+        """Close every connection, drain the core, write a last checkpoint (after a core failure: only
+        of a state that is whole, see the module's docstring)."""
         if self._runner is None or self._stopping:
             return
         self._stopping = True
+        if self._watch is not None and self._watch is not asyncio.current_task():
+            self._watch.cancel()
+        self._listener.close()  # no new connection from here on
         await self.sessions.close_all()
         await self.core.stop()
+        if self.core.failure is not None and self._in_core:
+            checkpoint = False
+            log.critical("no last checkpoint: the core failed inside an event and its state may be half-changed; "
+                         "the newest checkpoint on disk is the last good state")
         abandoned = await self.core.run_after_stop(self.snapshots.abandon)
         if abandoned is not None:
             log.warning("snapshot %d abandoned: the syncer is stopping", abandoned)
@@ -194,24 +241,75 @@ class SyncerServer:
         if checkpoint and self.config.checkpoint_dir and self.state.holds_parameters:
             await self.core.run_after_stop(lambda: self.checkpoints.write(self.state, "shutdown"))
         await self._runner.cleanup()
+        await self._listener.wait_closed()
         self.core.close()
+        self._stopped.set()
 
-    async def serve_forever(self) -> None:
-        """Run until SIGTERM or SIGINT, then stop with a checkpoint."""
+    async def serve_forever(self, warmup: Callable[[], None] | None = None) -> None:
+        """Run until SIGTERM or SIGINT, then stop with a checkpoint. Raises CoreFailed when the core
+        failed (the daemon has stopped by then). `warmup` (the kernels' compilation) runs on the core
+        thread before any item: after the daemon listens, so that the learners reconnect and say
+        hello meanwhile (a restarted syncer's outage), and before the first merge, whose measured
+        cost would otherwise include it (it sets the grace window, core.grace)."""
         loop = asyncio.get_running_loop()
-        done = asyncio.Event()
+        signalled = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, done.set)
+            loop.add_signal_handler(sig, signalled.set)
         await self.start()
-        await done.wait()
-        log.info("signal received: writing a last checkpoint and stopping")
+        if warmup is not None:
+            self._spawn(self.core.call(lambda: _timed_warmup(warmup)))
+        waits = [asyncio.ensure_future(signalled.wait()), asyncio.ensure_future(self._stopped.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if signalled.is_set() and self.failure is None:
+            log.info("signal received: writing a last checkpoint and stopping")
+        await self.stop()
+        await self._stopped.wait()  # a stop begun by the core's failure
+        if self.failure is not None:
+            raise self.failure
+
+    async def _stop_on_core_failure(self) -> None:
+        failure = await self.core.failed()
+        log.critical("stopping the daemon: %s", failure)
+        self.failure = failure
         await self.stop()
 
     # ---- on the core thread -----------------------------------------------------------------------
 
     def _on_item(self, item: CoreItem) -> None:
-        """What the core thread does with each queued item; then it publishes the view."""
+        """What the core thread does with each queued item; then it publishes the view. A learner's
+        item that fails is that learner's fault; any other failure escapes to the core loop (it stops)."""
         now = self.clock()
+        try:
+            self._dispatch(item, now)
+        except AssertionError:
+            raise  # a broken invariant, whoever's event it was
+        except Exception as exc:
+            if not isinstance(item, (Incoming, Opened, Closed)):
+                raise  # a timer, a merge cost, a snapshot step: the core's own
+            self._learner_fault(item, exc, now)
+        self._in_core = False
+        self.view = view_of(self.shell.state)
+        self.sessions.flush()
+
+    def _learner_fault(self, item: Incoming | Opened | Closed, exc: Exception, now: float) -> None:
+        """One learner's item failed: log it with its traceback, drop that learner, go on."""
+        conn = item.conn
+        learner = self.shell.learner_on(conn)
+        kind = type(item.message).__name__ if isinstance(item, Incoming) else type(item).__name__
+        log.error("learner %s (connection %d): handling its %s failed, dropping it: %s: %s",
+                  learner, conn, kind, type(exc).__name__, exc, exc_info=exc)
+        self.metrics.count(self.metrics.wire_errors, "internal")
+        error = wire.WireError(msg.ErrorCode.INTERNAL, f"the syncer failed on this learner's {kind}: "
+                               f"{type(exc).__name__}: {exc}"[:ERROR_TEXT_CHARS_MAX])
+        self.sessions.post(lambda: self.sessions.refuse_message(conn, error))
+        if not isinstance(item, Closed):  # (a Closed item has taken the learner off the tables already)
+            self.shell.closed(conn, f"internal error: {type(exc).__name__}", now)
+        if self._in_core:  # the core raised half-way through the event: its books must still balance
+            self.shell.state.ledger.check()
+
+    def _dispatch(self, item: CoreItem, now: float) -> None:
         if isinstance(item, Incoming):
             self._incoming(item, now)
         elif isinstance(item, Opened):
@@ -226,8 +324,6 @@ class SyncerServer:
         else:
             assert isinstance(item, SnapshotTimeout), item
             self._snapshot_ended(self.snapshots.timeout(item.snapshot, now))
-        self.view = view_of(self.shell.state)
-        self.sessions.flush()
 
     def _incoming(self, item: Incoming, now: float) -> None:
         message, learner = item.message, self.shell.learner_on(item.conn)
@@ -255,6 +351,11 @@ class SyncerServer:
         problem = self.snapshots.record(event)  # after the cut, before the learner's local state: in flight
         if problem:
             log.error("%s", problem)
+        self._in_core = True  # core.handle runs next
+
+    def _after(self, event, effects, state: core.SyncerState, now: float) -> None:
+        self._in_core = False  # the core completed the event: its state is whole again
+        self.recorder.after(event, effects, state, now)
 
     def _merge_cost(self, spent_s: float) -> tuple[float, float]:
         self.metrics.merge_kernel_s += spent_s
@@ -321,6 +422,12 @@ class SyncerServer:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed: %r", task.exception())
+
+
+def _timed_warmup(warmup: Callable[[], None]) -> None:
+    started = time.perf_counter()
+    warmup()
+    log.info("kernels warmed up in %.2f s", time.perf_counter() - started)
 
 
 def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 from aiohttp import WSMsgType, web
+
 from ddiloco.core.events import Log, Merged, SendWelcome
 from ddiloco.core.syncer import SyncerState
 from ddiloco.net.messages import LEARNER_KINDS
@@ -25,6 +26,7 @@ from ddiloco.net.auth import bearer_matches
 from ddiloco.net.checkpoints import Checkpoints
 from ddiloco.net.connection import Connection, SlowPeerError
 from ddiloco.net.core_loop import CoreLoop
+from ddiloco.net.guard import Guard
 from ddiloco.net.items import Closed, Incoming, Opened, Wake
 from ddiloco.net.recorder import Recorder
 from ddiloco.net.shell import Control
@@ -38,8 +40,8 @@ CLOSE_FLUSH_S_MAX = 1.0  # how long a closing connection may take to send the er
 
 class Sessions:
     def __init__(self, config, metrics: Metrics, core: CoreLoop, recorder: Recorder, checkpoints: Checkpoints,
-                 clock: Callable[[], float], spawn: Callable, stopping: Callable[[], bool]):
-        self.config, self.metrics, self.core = config, metrics, core
+                 clock: Callable[[], float], spawn: Callable, stopping: Callable[[], bool], guard: Guard | None = None):
+        self.config, self.metrics, self.core, self.guard = config, metrics, core, guard
         self.recorder, self.checkpoints, self.clock = recorder, checkpoints, clock
         self._spawn, self._stopping = spawn, stopping
         self.conns: dict[int, Connection] = {}  # the event loop's: touched on that thread only
@@ -61,6 +63,8 @@ class Sessions:
         if self._stopping():
             raise web.HTTPServiceUnavailable(text="syncer shutting down\n")
         ws = web.WebSocketResponse(max_msg_size=self.config.wire.max_msg_size, heartbeat=self.config.heartbeat_s)
+        if self.guard is not None:
+            self.guard.upgrading(request)  # frame deadlines from here (net.guard)
         await ws.prepare(request)
         conn = Connection(next(self._conn_ids), ws, self.config.queues, sent=self._count_sent)
         self.conns[conn.conn_id] = conn

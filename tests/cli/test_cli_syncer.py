@@ -18,7 +18,7 @@ def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
         assert first["quorum"] == 2 and first["fragments"] == 3 and first["period"] == 4  # the core's default
         assert first["sources"]["quorum"] == "flag --quorum" and "period" not in first["sources"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
-            assert r.read() == b"ok\n"
+            assert json.loads(r.read())["status"] == "ok"
         status = subprocess.run(
             [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}", "--json"], capture_output=True, text=True,
             timeout=60,

@@ -25,6 +25,11 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     whats = [e["what"] for e in report.events]
     assert whats.index("kill-syncer") < whats.index("restart-syncer")  # restarted with --resume
     assert "resumed from" in (tmp_path / "syncer.2.log").read_text()
+    r = report.syncer_restart  # the restart step by step, from the restarted syncer's log
+    steps = [r[k] for k in ("killed_at", "restarted_at", "up_at", "listening_at", "first_join_at", "first_merge_at")]
+    assert None not in steps and steps == sorted(steps) and r["listening_at"] <= r["warmed_up_at"]
+    assert r["outage_s"] == round(r["first_merge_at"] - r["killed_at"], 3)
+    assert report.syncer_outage_s == round(r["outage_s"], 2)  # to the log's millisecond, not to the poll
     assert report.merges > 0 and math.isfinite(report.eval_loss) and math.isfinite(report.baseline_eval_loss)
     assert 0 <= report.choice_accuracy <= 1 and 0 <= report.baseline_choice_accuracy <= 1
     ledger = report.ledger
@@ -36,10 +41,11 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
         assert key in data
     assert data["curves"]["baseline"] and all(e["tokens"] >= 0 for e in data["events"])
     text = report_text(report)
-    assert "merged model" in text and "syncer kill" in text
+    assert "merged model" in text and "syncer kill" in text and "kernel warm-up" in text
     assert f"1 learner kill, 1 restart, {len(report.catch_up)} caught up before the end" in text
     live = (tmp_path / "live.txt").read_text()
-    assert "chaos: kill learner" in live and "chaos: kill the syncer" in live and "syncer down" in live
+    # restarted at once (syncer_restart_delay_s 0): the view shows it starting, not down
+    assert "chaos: kill learner" in live and "chaos: kill the syncer" in live and "syncer starting" in live
     write_plot(report, tmp_path / "plot" / "loss.png")
     assert (tmp_path / "plot" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The recording: both syncer starts and every learner that trained, re-executed in one process.
@@ -118,3 +124,30 @@ def test_live_views_show_learner_state_step_tokens_loss_and_versions(tmp_path):
     text = screen.getvalue()
     for cell in ("learner", "live", "killed", "2.500", "5,120", "2,1", "merged 1/2"):
         assert cell in text, cell
+
+
+def test_restart_timeline_reads_each_step_from_the_restarted_syncers_log():
+    from datetime import datetime
+
+    from ddiloco.demo.supervisor import restart_timeline
+
+    wall_started = datetime(2030, 1, 2, 3, 4, 0).timestamp()  # the demo's second 0, on the wall clock
+
+    def line(second: float, text: str) -> str:
+        stamp = datetime.fromtimestamp(wall_started + second).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        return f"{stamp} INFO ddiloco.syncer: {text}"
+
+    log = "\n".join([
+        line(10.5, 'config {"port": 1}'), line(10.6, "resumed from ckpt-x: 8 merges, global step 22"),
+        line(11.0, "syncer listening on 127.0.0.1:1"), line(11.2, "learner 5 (learner-2) joined as recovering"),
+        line(11.9, "kernels warmed up in 0.90 s"), line(12.0, "learner 6 (learner-3) joined as recovering"),
+        "a line without a stamp: merged nothing",
+        line(12.25, "fragment 3 round 4: merged 1/1 (quorum 1) after 0 ms of grace"),
+        line(13.0, "fragment 0 round 4: merged 2/2 (quorum 1) after 0 ms of grace"),
+    ])
+    t = restart_timeline(log, wall_started, killed_at=10.0, restarted_at=10.1)
+    assert (t["up_at"], t["listening_at"], t["warmed_up_at"], t["first_join_at"], t["first_merge_at"]) == (
+        10.5, 11.0, 11.9, 11.2, 12.25)
+    assert t["restart_delay_s"] == 0.1 and t["start_and_imports_s"] == 0.4 and t["resume_and_listen_s"] == 0.5
+    assert t["warmup_s"] == 0.9 and t["rejoin_s"] == 0.2 and t["first_round_s"] == 1.05 and t["outage_s"] == 2.25
+    assert restart_timeline("", wall_started, 10.0, 10.1)["outage_s"] is None  # a syncer that never came back

@@ -149,8 +149,11 @@ async def test_learners_join_init_and_merge_over_real_sockets(tmp_path):
     async with aiohttp.ClientSession() as http:
         status = await (await http.get(f"{s.http}/status")).json()
         metrics = await (await http.get(f"{s.http}/metrics")).text()
-        health = await (await http.get(f"{s.http}/healthz")).text()
-    assert health == "ok\n"
+        answer = await http.get(f"{s.http}/healthz")
+        health = await answer.json()
+    assert answer.status == 200 and health["status"] == "ok" and health["reasons"] == []
+    assert health["core"]["running"] and health["checkpoint"]["ok"]
+    assert status["checkpoint"] == {**status["checkpoint"], "ok": True, "error": None} and "core" in status
     assert {l["status"] for l in status["learners"]} == {"live"}
     assert status["merges"] >= 4 and all(f["version"] >= 1 for f in status["fragments"])
     assert any("merged" in d["reason"] for d in status["decisions"])
@@ -638,3 +641,192 @@ async def test_tls_unusable_files_are_refused_with_their_names(tmp_path, self_si
         ThreadedClient(ClientConfig(url="wss://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=tmp_path / "none.pem"))
     with pytest.raises(ValueError, match="only applies to a wss://"):
         ClientConfig(url="ws://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=cert)
+
+
+async def test_a_lost_syncer_is_retried_at_most_rejoin_s_max_apart_for_the_rejoin_window(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddiloco.client")
+    s = Syncer(tmp_path)
+    await s.start()
+    client = SyncerClient(ClientConfig(url=s.ws_url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
+                                       reconnect_s_min=0.01, rejoin_s_max=0.04, reconnect_s_max=5.0))
+    task = asyncio.ensure_future(client.run())
+    await until(lambda: client.inbox.welcomes == 1, what="the welcome")
+    await s.server.stop()  # a syncer that was just reachable goes away (a restart)
+    retries = lambda: [r.getMessage() for r in caplog.records if "retrying in about" in r.getMessage()]
+    await until(lambda: len(retries()) >= 8, what="retries against the syncer that went away")
+    delays = [float(m.split("retrying in about ")[1].split()[0]) for m in retries()]
+    assert max(delays) == 0.04  # grown to rejoin_s_max, never towards reconnect_s_max
+    await client.close()
+    await asyncio.wait_for(task, 10)
+
+
+# ---- faults: one learner's failure is that learner's; the core's own stops the daemon ------------
+
+
+def fail_on(monkeypatch, exc_type, should_fail):
+    """Fault injection: core.handle raises `exc_type` for the events `should_fail(state, event)` picks."""
+    real = syncer.handle
+    hits = []
+
+    def handle(state, event, now):
+        if should_fail(state, event):
+            hits.append(event)
+            raise exc_type(f"injected fault on {type(event).__name__}")
+        return real(state, event, now)
+
+    monkeypatch.setattr(syncer, "handle", handle)
+    return hits
+
+
+def of_learner(name, kind):
+    def pick(state, event):
+        rec = state.learners.get(getattr(event, "learner", None))
+        return type(event).__name__ == kind and rec is not None and rec.name == name
+    return pick
+
+
+async def test_a_learner_whose_event_fails_is_dropped_with_an_internal_error_and_the_others_go_on(
+        tmp_path, caplog, monkeypatch):
+    caplog.set_level("INFO", logger="ddiloco.syncer")
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    c = Learner(s.ws_url, "c", seed=3)
+    await c.welcome()
+    c_id = c.client.inbox.welcome.learner
+    await until(lambda: len(c.client.inbox.updates) == 2, what="c's recovery updates")
+    hits = fail_on(monkeypatch, RuntimeError, of_learner("c", "Progress"))
+    c.tick()
+    await until(lambda: any(e.code == "internal" for e in c.client.inbox.errors), what="c's internal error")
+    err = next(e for e in c.client.inbox.errors if e.code == "internal")
+    assert err.fatal and "RuntimeError: injected fault on Progress" in err.text and "Progress" in err.text
+    await until(lambda: s.server.state.learners[c_id].status is syncer.LearnerStatus.GONE, what="c dropped")
+    line = next(r for r in caplog.records if r.levelname == "ERROR" and "injected fault" in r.getMessage())
+    assert f"learner {c_id} (connection" in line.getMessage() and "Progress" in line.getMessage()
+    assert line.exc_info is not None  # the traceback, on the same record
+    await c.stop()
+    merges = s.server.state.merges
+    await train(s.server, [a, b], 8)
+    await until(lambda: s.server.state.merges > merges, what="merges after c's fault")
+    assert s.server.core.running and s.server.failure is None and len(hits) >= 1
+    s.server.state.ledger.check()
+    for lr in (a, b):
+        await lr.stop()
+    await s.server.stop()
+
+
+async def test_an_assertion_in_the_core_stops_the_daemon_without_checkpointing_the_half_changed_state(
+        tmp_path, caplog, monkeypatch):
+    s = Syncer(tmp_path, checkpoint_every_merges=1)
+    state = syncer.new_state(s.config)
+    s.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL))
+    serving = asyncio.ensure_future(s.server.serve_forever())
+    await until(lambda: s.server.port is not None, what="listening")
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 6)
+    await until(lambda: s.server.metrics.checkpoints >= 1, what="a checkpoint")
+    fail_on(monkeypatch, AssertionError, of_learner("a", "Progress"))  # an invariant, on a learner's event
+    a.tick()
+    from ddiloco.net.server import CoreFailed
+
+    with pytest.raises(CoreFailed, match="AssertionError: injected fault on Progress"):
+        await asyncio.wait_for(serving, 20)
+    assert not s.server.core.running
+    assert "no last checkpoint: the core failed inside an event" in caplog.text
+    written = s.server.metrics.checkpoints
+    newest, _ = store.newest_valid(s.dir)  # the last good state, written between two events
+    assert newest.merges <= s.server.state.merges
+    with pytest.raises(OSError):  # not half-alive: nothing listens any more
+        await asyncio.open_connection("127.0.0.1", s.server.port)
+    assert s.server.metrics.checkpoints == written
+    for lr in (a, b):
+        await lr.stop()
+
+
+async def test_a_failing_timer_stops_the_daemon_with_a_last_checkpoint_of_the_whole_state(tmp_path, monkeypatch):
+    s = Syncer(tmp_path)
+    await s.start()
+    a, b = await two_learners(s)
+    await train(s.server, [a, b], 6)
+    await until(lambda: s.server.state.merges >= 1, what="merges")
+
+    def fire(token, now):  # an item no learner sent fails before the core sees it: the state is whole
+        raise RuntimeError("injected fault on a timer")
+
+    monkeypatch.setattr(s.server.shell, "fire", fire)
+    await train(s.server, [a, b], 4)  # rounds arm grace timers, merges their merge costs
+    await until(lambda: s.server.failure is not None, what="the timer's fault")
+    assert "Wake: RuntimeError: injected fault on a timer" in str(s.server.failure)
+    await until(lambda: s.server._stopped.is_set(), what="the daemon stopped")
+    newest, _ = store.newest_valid(s.dir)
+    assert syncer.state_hash(newest) == syncer.state_hash(s.server.state)  # the last checkpoint is of it
+    for lr in (a, b):
+        await lr.stop()
+
+
+# ---- health: /healthz says what is wrong ----------------------------------------------------------
+
+
+async def health_of(s):
+    async with aiohttp.ClientSession() as http:
+        answer = await http.get(f"{s.http}/healthz")
+        return answer.status, await answer.json()
+
+
+async def test_healthz_fails_while_the_core_completes_nothing_and_recovers_after(tmp_path):
+    import threading
+
+    s = Syncer(tmp_path)
+    state = syncer.new_state(s.config)
+    s.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL,
+                                                core_stall_s_max=0.2))
+    await s.server.start()
+    assert (await health_of(s))[0] == 200
+    release = threading.Event()
+    stuck = asyncio.ensure_future(s.server.core.call(lambda: release.wait(30)))  # a core stuck in a lock
+    try:
+        verdicts = []
+
+        async def failing():
+            verdicts.append(await health_of(s))
+            return verdicts[-1][0] == 503
+
+        deadline = asyncio.get_running_loop().time() + 20
+        while not await failing():
+            assert asyncio.get_running_loop().time() < deadline, verdicts[-1]
+            await asyncio.sleep(0.05)
+        doc = verdicts[-1][1]
+        assert doc["status"] == "failing" and "core_stall_s_max 0.2 s" in doc["reasons"][0]
+        assert doc["core"]["running"] and doc["core"]["busy_s"] > 0.2
+    finally:
+        release.set()
+        await stuck
+    code, doc = await health_of(s)
+    assert code == 200 and doc["status"] == "ok" and doc["core"]["busy_s"] is None
+    await s.server.stop()
+
+
+async def test_healthz_is_degraded_while_checkpoints_fail_and_status_says_why(tmp_path, disk):
+    s = Syncer(tmp_path)
+    s.dir = disk.path / "ckpt"
+    await s.start()
+    a = Learner(s.ws_url, "a", seed=1)
+    await a.welcome()
+    await until(lambda: s.server.state.holds_parameters, what="initial parameters")
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as http:
+        assert (await http.post(f"{s.http}/checkpoint", headers=headers)).status == 200
+        code, doc = await health_of(s)
+        assert code == 200 and doc["status"] == "ok" and doc["checkpoint"]["age_s"] >= 0
+        disk.read_only()
+        failed = await http.post(f"{s.http}/checkpoint", headers=headers)
+        assert failed.status == 507
+        code, doc = await health_of(s)
+        assert code == 200 and doc["status"] == "degraded"
+        assert "checkpoint not written" in doc["reasons"][0] and "read-only" in doc["reasons"][0].lower()
+        assert doc["checkpoint"]["ok"] is False and doc["checkpoint"]["failures_since_written"] == 1
+        assert doc["checkpoint"]["written"] is not None  # the last good one is still named, with its age
+        status = await (await http.get(f"{s.http}/status")).json()
+        assert status["checkpoint"]["error"] == doc["checkpoint"]["error"] and status["core"]["running"]
+    await a.stop()
+    await s.server.stop(checkpoint=False)
