@@ -58,6 +58,7 @@ def bench_tensors(params: int, fragments: int) -> tuple[TensorSpec, ...]:
 def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: str, seconds: float, step_hz: float, seed: int, out) -> None:
     """One learner process: no training, just the protocol as fast as it goes."""
     from ddiloco.core import codec
+    from ddiloco.core.events import Push
     from ddiloco.net import session
     from ddiloco.net.client import ClientConfig, SyncerClient
 
@@ -75,7 +76,7 @@ def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: 
             for p, n in enumerate(sizes):
                 client.queue_init(p, codec.encode(rng.standard_normal(n).astype(np.float32), "fp32"))
             versions = [0] * len(sizes)
-        payloads = [codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name) for n in sizes]
+        payloads = [codec.parse(codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name)) for n in sizes]
         step, pushes = 0, 0
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -88,7 +89,8 @@ def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: 
             client.queue_progress(session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n))
             while box.requests:
                 r = box.requests.popleft()
-                if client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 1024, payloads[r.fragment])):
+                push = Push(w.learner, r.fragment, r.round, r.base_version, 1, 1024, payloads[r.fragment])
+                if client.queue_push(push):
                     pushes += 1
             await asyncio.sleep(1.0 / step_hz)
         await client.close()

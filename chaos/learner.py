@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from ddiloco.core import codec
+from ddiloco.core.events import Push
 from ddiloco.chaos.network import (
     UP,
     Connection,
@@ -301,8 +302,9 @@ class SimLearner:
             return  # a request against a version it does not hold: the next round asks again
         delta = self.base[q] - self._gather(q)
         payload = codec.encode(delta, self.profile.codec, self.layout.block)
-        push = {"fragment": q, "round": req["round"], "base_version": req["base_version"],
-                "steps": self.steps[q], "tokens": self.tokens[q], "payload": payload}
+        # The core's push value, made once, as learner.sync makes it; the network charges the codec's bytes.
+        push = Push(self.learner_id, q, req["round"], req["base_version"], self.steps[q], self.tokens[q],
+                    codec.parse(payload))
         self._send(Message("push", push, len(payload), bulk=True))
 
     def _apply(self, q: int, update: dict) -> None:

@@ -18,6 +18,7 @@ A crash is the same without the last checkpoint: the new process restores the la
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 from ddiloco import kernels
@@ -94,13 +95,16 @@ class SimSyncer:
         assert learner is not None, f"{message.kind} before the welcome on connection {conn.id}: the learner broke the protocol"
         if message.kind == "progress":
             return Progress(learner=learner, step=body["step"], versions=body["versions"], steps=body["steps"], tokens=body["tokens"])
+        if message.kind == "push":
+            # The learner's push value as it is, its sender the connection's learner (as net.session
+            # does: a push queued in an earlier session names the old id).
+            assert isinstance(body, Push), body
+            assert body.payload.elements == self.state.layout.fragments[body.fragment].padded_size, body.payload.elements
+            return replace(body, learner=learner)
+        assert message.kind == "init", message.kind
         expected = self.state.layout.fragments[body["fragment"]].padded_size
         payload = codec.parse(body["payload"], elements=expected)
-        if message.kind == "init":
-            return InitFragment(learner=learner, fragment=body["fragment"], payload=payload)
-        assert message.kind == "push", message.kind
-        return Push(learner=learner, fragment=body["fragment"], round=body["round"], base_version=body["base_version"],
-                    steps=body["steps"], tokens=body["tokens"], payload=payload)
+        return InitFragment(learner=learner, fragment=body["fragment"], payload=payload)
 
     def lost(self, conn: Connection, why: str) -> None:
         """The daemon noticed a connection closing: its learner is gone."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -95,13 +95,20 @@ def parse_codec(name: str | Codec) -> Codec:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A parsed payload: views into the received buffer, validated, never copied."""
+    """A parsed payload: views into one buffer (the encoder's, or the received one), validated, never
+    copied. `body` is the payload without the codec header (scales, then codes, for block codecs): what
+    the wire message and the tape carry, the codec, block and size beside it as fields."""
 
     codec: Codec
     block: int
     elements: int
     data: np.ndarray  # float32[n] | uint16[n] | uint8[n/2|n/4|n/8]
     scales: np.ndarray | None  # float32[n/block] for block codecs
+    body: memoryview = field(repr=False, compare=False)  # read-only bytes that `data` and `scales` view
+
+    def header(self) -> bytes:
+        """The 24-byte codec header of this payload (header + body are the bytes `encode` returns)."""
+        return header(self.codec, self.block, self.elements)
 
     def decode(self, *, parallel: bool = True) -> np.ndarray:
         """The fp32 vector (materialised; the merge path avoids this for int4). `parallel=False` keeps
@@ -161,14 +168,14 @@ def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT
     if codec.is_block:
         _check_block(codec, block, n)
         codes, scales = _QUANTIZE[codec](x, block, parallel=parallel)
-        body = [scales.tobytes(), codes.tobytes()]
+        body = [_bytes_of(scales), _bytes_of(codes)]
     elif codec is Codec.BF16:
-        body, block = [kernels.to_bf16(x, parallel=parallel).tobytes()], 0
+        body, block = [_bytes_of(kernels.to_bf16(x, parallel=parallel))], 0
     else:
-        body, block = [x.tobytes()], 0
-    size = sum(len(b) for b in body)
+        body, block = [_bytes_of(x)], 0
+    size = sum(b.nbytes for b in body)
     assert size == codec.body_bytes(n, block)
-    return b"".join([header(codec, block, n), *body])
+    return b"".join([header(codec, block, n), *body])  # the payload's one copy: the kernels' outputs joined
 
 
 def header(codec: Codec, block: int, elements: int) -> bytes:
@@ -214,18 +221,19 @@ def from_body(
     expected = codec.body_bytes(n, block)
     if view.nbytes != expected:
         raise CodecError(f"{codec.value} payload of {n} elements needs a {expected}-byte body, got {view.nbytes}")
+    view = view.toreadonly()
     raw = np.frombuffer(view, dtype=np.uint8)
     if codec is Codec.FP32:
-        return Encoded(codec, 0, n, raw.view(np.float32), None)
+        return Encoded(codec, 0, n, raw.view(np.float32), None, view)
     if codec is Codec.BF16:
-        return Encoded(codec, 0, n, raw.view(np.uint16), None)
+        return Encoded(codec, 0, n, raw.view(np.uint16), None, view)
     nscales = 4 * (n // block)
     scales = raw[:nscales].view(np.float32)
     # The quantizers never write a negative scale, and the kernels refuse one when they merge: a
     # malformed payload, refused here. (A NaN compares false: it is a non-finite payload, all_finite.)
     if (scales < 0).any():
         raise CodecError(f"{codec.value} payload has a negative block scale")
-    return Encoded(codec, block, n, raw[nscales:], scales)
+    return Encoded(codec, block, n, raw[nscales:], scales, view)
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,7 @@ def encode_delta(
         )
     except kernels.KernelInputError:
         raise CodecError("cannot encode a vector with NaN or Inf values") from None
-    payload = b"".join([header(codec, block, base.size), scales.tobytes(), codes.tobytes()])
+    payload = b"".join([header(codec, block, base.size), _bytes_of(scales), _bytes_of(codes)])
     return payload, None if state is None else FeedbackState(residual=residual)
 
 
@@ -292,6 +300,11 @@ def warm_up(codecs: Iterable[Codec | str], block: int = kernels.BLOCK_DEFAULT) -
             parse(encode(x, c, block)).decode()
             encode_delta(x, x[::-1].copy(), None, c, block)
             encode_delta(x, x[::-1].copy(), feedback_init(n), c, block)
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, as a view (joined into the payload without a copy of its own)."""
+    return memoryview(np.ascontiguousarray(a)).cast("B")
 
 
 def _check_vector(x: np.ndarray) -> np.ndarray:

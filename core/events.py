@@ -12,6 +12,7 @@ from typing import Union
 
 from ddiloco.core.codec import Encoded
 from ddiloco.core.layout import TensorSpec
+from ddiloco.core.weights import token_weight
 
 # ---- events -------------------------------------------------------------------------------------
 
@@ -45,6 +46,14 @@ class Progress:
 
 @dataclass(frozen=True)
 class Push:
+    """A learner's outer gradient of one fragment: the one shape of a push from the learner to the merge.
+
+    The learner makes it once (`learner.sync`, its payload the encoder's buffer); the wire message
+    carries the same fields (net.session, the payload's body and its codec, block and size); on the
+    syncer it is rebuilt over the received bytes, `learner` set from the connection (the sender's own
+    `learner` is never trusted, nor sent), and the core keeps it in the open round as it is: it is
+    also what the merge reads (core.merge.Contribution)."""
+
     learner: int
     fragment: int
     round: int
@@ -52,6 +61,11 @@ class Push:
     steps: int
     tokens: int
     payload: Encoded
+
+    @property
+    def weight(self) -> float:
+        """The push's token weight (core.weights), not yet normalised; valid once admitted (counters checked)."""
+        return token_weight(self.tokens, self.steps)
 
 
 @dataclass(frozen=True)

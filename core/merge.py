@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -40,11 +40,19 @@ class MergeMethod(str, enum.Enum):
     RDA = "rda"
 
 
-@dataclass(frozen=True)
-class Contribution:
-    learner: int
-    weight: float  # token weight, not yet normalised
-    payload: Encoded
+class Contribution(Protocol):
+    """What the merge reads of an admitted push: the syncer hands it its kept `core.events.Push`
+    values themselves, nothing copied."""
+
+    @property
+    def learner(self) -> int: ...
+
+    @property
+    def weight(self) -> float:  # token weight, not yet normalised
+        ...
+
+    @property
+    def payload(self) -> Encoded: ...
 
 
 @dataclass(frozen=True)

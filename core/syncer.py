@@ -52,9 +52,9 @@ from ddiloco.core.events import (
 from ddiloco.core.grace import Timing, grace_seconds, observe
 from ddiloco.core.layout import Layout, LayoutError, TooManyFragments, build_layout
 from ddiloco.core.ledger import Ledger
-from ddiloco.core.merge import Contribution, merge_round
+from ddiloco.core.merge import merge_round
 from ddiloco.core.schedule import Schedule
-from ddiloco.core.weights import TOKENS_MAX, token_weight
+from ddiloco.core.weights import TOKENS_MAX
 
 PROTOCOL_VERSION = 1
 PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spare cover failures
@@ -91,20 +91,12 @@ class LearnerRecord:
 
 
 @dataclass
-class PendingPush:
-    weight: float
-    steps: int
-    tokens: int
-    payload: codecs.Encoded
-
-
-@dataclass
 class Round:
     number: int
     opened_at: float
     opened_step: int
     asked: tuple[int, ...]
-    pushes: dict[int, PendingPush] = field(default_factory=dict)
+    pushes: dict[int, Push] = field(default_factory=dict)  # learner -> its admitted push, kept as it arrived
     quorum_at: float | None = None
     grace_s: float = 0.0
 
@@ -404,7 +396,7 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
         return
     frag = state.fragments[ev.fragment]
     rnd = frag.open
-    rnd.pushes[ev.learner] = PendingPush(token_weight(ev.tokens, ev.steps), ev.steps, ev.tokens, ev.payload)
+    rnd.pushes[ev.learner] = ev
     _after_delivery(state, ev.fragment, now, out)
 
 
@@ -486,7 +478,7 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
     frag = state.fragments[p]
     rnd = frag.open
     frag.open = None
-    contributions = [Contribution(m, push.weight, push.payload) for m, push in sorted(rnd.pushes.items())]
+    contributions = [push for _, push in sorted(rnd.pushes.items())]
     positive = [c for c in contributions if c.weight > 0]
     missing = [m for m in rnd.asked if m not in rnd.pushes]
     if len(positive) < state.config.quorum:

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 from ddiloco.core import checkpoint
 from ddiloco.core import codec as codecs
@@ -181,9 +180,9 @@ def _frame(body: bytes) -> bytes:
 
 
 def payload_parts(enc: codecs.Encoded) -> list[memoryview]:
-    """The payload's body in the codec's own order (scales, then codes), as `from_body` takes it."""
-    parts = [] if enc.scales is None else [memoryview(np.ascontiguousarray(enc.scales)).cast("B")]
-    return parts + [memoryview(np.ascontiguousarray(enc.data)).cast("B")]
+    """The payload's body in the codec's own order (scales, then codes), as `from_body` takes it: the
+    bytes the push arrived in (`Encoded.body`), stored as they are."""
+    return [enc.body]
 
 
 def sha256_of(parts: Iterable) -> str:

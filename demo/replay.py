@@ -29,6 +29,7 @@ from typing import Any
 
 from ddiloco.core import replay as core_replay
 from ddiloco.core import tape as tapes
+from ddiloco.core.events import Push
 from ddiloco.learner import recovery
 from ddiloco.learner import tape as ltapes
 from ddiloco.net import peer, recording, session
@@ -81,7 +82,7 @@ class _Transport:
         self.takes = tape.takes()
         self.calls = 0
         self.welcomes, self.current = 1, self.first
-        self.pushes: list[tuple[int, session.PushInfo]] = []
+        self.pushes: list[tuple[int, Push]] = []
         self.inits: list[tuple[int, int, bytes]] = []
         self.refused = None
 
@@ -101,7 +102,7 @@ class _Transport:
     def progress(self, item: session.ProgressInfo) -> None:
         pass  # the syncer's tape has the progress it received
 
-    def push(self, item: session.PushInfo) -> None:
+    def push(self, item: Push) -> None:
         self.pushes.append((self.calls, item))
 
     def init(self, fragment: int, payload: bytes) -> None:
@@ -177,7 +178,7 @@ def replay_learner(tape: ltapes.LearnerTape, cache_dir: Path | None = None) -> t
     result.divergence = _learner_divergence(tape, rep)
     bodies = {}
     for _, push in rep.transport.pushes:
-        body = ltapes.payload_body(push.payload)
+        body = bytes(push.payload.body)
         bodies[ltapes.sha256(body)] = body
     for _, q, payload in rep.transport.inits:
         body = ltapes.payload_body(payload)
@@ -190,7 +191,7 @@ def _learner_divergence(tape: ltapes.LearnerTape, rep: LearnerReplay) -> str | N
     """The first difference between what the live incarnation sent and what the replay sent."""
     torn = tape.closed is None
     got_pushes = [{"call": c, "fragment": p.fragment, "round": p.round, "base_version": p.base_version, "steps": p.steps,
-                   "tokens": p.tokens, "sha256": ltapes.sha256(p.payload)} for c, p in rep.transport.pushes]
+                   "tokens": p.tokens, "sha256": ltapes.payload_sha256(p.payload)} for c, p in rep.transport.pushes]
     got_inits = [{"call": c, "fragment": q, "sha256": ltapes.sha256(b)} for c, q, b in rep.transport.inits]
     for kind, got in (("push", got_pushes), ("init", got_inits)):
         want = [{k: v for k, v in r.items() if k != "type"} for r in tape.of(kind)]

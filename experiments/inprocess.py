@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddiloco.core import syncer as core
-from ddiloco.core.events import Disconnect, Event, Merged
+from ddiloco.core.events import Disconnect, Event, Merged, Push
 from ddiloco.net import session, wire
 from ddiloco.net.client import ClientConfig, SyncerClient, SyncerRefused
 from ddiloco.net.shell import Control, Shell
@@ -277,7 +277,7 @@ class InProcessTransport:
             self.hub.send_up(self._conn, session.progress_frames(item, next(self._ids), self.hub.limits))
         for item in self._bulk:
             frames = session.bulk_frames(item, next(self._ids), self.hub.limits)
-            if isinstance(item, session.PushInfo):
+            if isinstance(item, Push):
                 size = sum(len(f) for f in frames)
                 self.bytes_up += size
                 self.push_log.append((self.step, size))
@@ -297,9 +297,9 @@ class InProcessTransport:
         self._check()
         self._progress = (self._progress + [item])[-PROGRESS_QUEUED_MAX:]
 
-    def push(self, item: session.PushInfo) -> None:
+    def push(self, item: Push) -> None:
         self._check()
-        if sum(isinstance(b, session.PushInfo) for b in self._bulk) >= PUSHES_QUEUED_MAX:
+        if sum(isinstance(b, Push) for b in self._bulk) >= PUSHES_QUEUED_MAX:
             self.pushes_dropped += 1  # as the client: a full push queue refuses, the next round asks again
             return
         self._bulk.append(item)

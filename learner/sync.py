@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Self
 import jax
 import numpy as np
 from ddiloco.core import codec
+from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, layout_from_description
 from ddiloco.errors import UserError
 from ddiloco.learner import recovery
@@ -392,7 +393,10 @@ class DilocoSync:
         payload, feedback = _encode_delta(frag.base - tree.gather(params, req.fragment), frag.feedback, self.config, layout.block,
                                           self.parallel_kernels)
         self._set(req.fragment, frag._replace(feedback=feedback))
-        push = session.PushInfo(req.fragment, req.round, req.base_version, frag.steps, frag.tokens, payload)
+        # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
+        # the hook knows it (the syncer takes the sender from the connection, not from the push).
+        push = Push(self.learner_id, req.fragment, req.round, req.base_version, frag.steps, frag.tokens,
+                    codec.parse(payload))
         if self.tape is not None:
             self.tape.push(self.calls, push)
         client.push(push)

@@ -25,9 +25,11 @@ from typing import Any
 
 from ddiloco.core import codec as codecs
 from ddiloco.core import tape as tapes
+from ddiloco.core.events import Push
 from ddiloco.net import recording, session
 
-__all__ = ["KINDS", "MAGIC", "TAPE_FILE", "LearnerTape", "LearnerTapeError", "LearnerTapeWriter", "config_json", "payload_body", "read", "sha256"]
+__all__ = ["KINDS", "MAGIC", "TAPE_FILE", "LearnerTape", "LearnerTapeError", "LearnerTapeWriter", "config_json", "payload_body",
+           "payload_sha256", "read", "sha256"]
 
 MAGIC = b"DDLTAPE\x01"
 TAPE_FILE = "learner.ddtp"
@@ -44,8 +46,12 @@ def sha256(data: bytes) -> str:
 
 def payload_body(payload: bytes) -> bytes:
     """The body of codec bytes (header stripped), as the syncer's tape hashes and stores it."""
-    enc = codecs.parse(payload)
-    return b"".join(bytes(p) for p in tapes.payload_parts(enc))
+    return bytes(codecs.parse(payload).body)
+
+
+def payload_sha256(enc: codecs.Encoded) -> str:
+    """sha256 of a payload's codec bytes, header and body (what a push record has always named)."""
+    return tapes.sha256_of([enc.header(), enc.body])
 
 
 def _welcome_json(w: session.WelcomeInfo) -> dict:
@@ -88,10 +94,10 @@ class LearnerTapeWriter(recording.RecordWriter):
             "welcome": _welcome_json(welcome) if new_welcome and welcome is not None else None,
         })
 
-    def push(self, call: int, push: session.PushInfo) -> None:
+    def push(self, call: int, push: Push) -> None:
         self._append({"type": "push", "call": call, "fragment": push.fragment, "round": push.round,
                       "base_version": push.base_version, "steps": push.steps, "tokens": push.tokens,
-                      "sha256": sha256(push.payload)})
+                      "sha256": payload_sha256(push.payload)})
 
     def init(self, call: int, fragment: int, payload: bytes) -> None:
         self._append({"type": "init", "call": call, "fragment": fragment, "sha256": sha256(payload)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol, TypeAlias, runtime_checkable
 
+from ddiloco.core.events import Push
 from ddiloco.net import session
 
 __all__ = ["SnapshotOutbox", "Taken", "Transport"]
@@ -40,7 +41,7 @@ class Transport(Protocol):
         """Report the learner's step, versions held and counters (only the newest report matters)."""
         ...
 
-    def push(self, item: session.PushInfo) -> None:
+    def push(self, item: Push) -> None:
         """Send an outer gradient the syncer asked for."""
         ...
 

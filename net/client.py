@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
+from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.errors import FaultError, UserError
@@ -164,7 +165,7 @@ class SyncerClient:
         self._progress.append((welcomes, progress))
         self._wake.set()
 
-    def queue_push(self, push: session.PushInfo, welcomes: int | None = None) -> bool:
+    def queue_push(self, push: Push, welcomes: int | None = None) -> bool:
         """False when the push queue is full: the push is dropped, counted in `pushes_dropped` and
         logged (the caller keeps its counters and tries next time)."""
         if len(self._bulk) >= self.config.pushes_queued_max:
@@ -532,8 +533,10 @@ class ThreadedClient:
         """Pushes the network thread refused for a full queue (SyncerClient.queue_push)."""
         return self._client.pushes_dropped
 
-    def push(self, item: session.PushInfo) -> None:
-        """Queued on the network thread; one that finds the queue full is counted in `pushes_dropped`."""
+    def push(self, item: Push) -> None:
+        """Queued on the network thread; one that finds the queue full is counted in `pushes_dropped`.
+        The push crosses to that thread as it is (one hand-off, nothing copied): its writer copies the
+        payload into the frames (net.session.bulk_frames)."""
         self._check()
         self._loop.call_soon_threadsafe(self._client.queue_push, item, self._welcomes_seen)
 

@@ -42,6 +42,7 @@ from ddiloco.core import codec as codecs
 from ddiloco.core import syncer
 from ddiloco.core.checksum import crc32
 from ddiloco.core.config import SyncerConfig
+from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec, layout_from_description
 from ddiloco.net import messages as msg
 from ddiloco.net import session, wire
@@ -407,8 +408,8 @@ class _Honest:
         while box.requests:
             r = box.requests.popleft()
             vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-            self.client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 64,
-                                                    codecs.encode(vec, "int4")))
+            self.client.queue_push(Push(0, r.fragment, r.round, r.base_version, 1, 64,
+                                        codecs.parse(codecs.encode(vec, "int4"))))
 
     async def stop(self) -> None:
         if self.task is None:

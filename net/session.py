@@ -4,6 +4,11 @@ The wire (`net.messages`, `net.wire`) knows frames and fields; the core knows ev
 this module is the one place that maps one onto the other, so neither depends on the other's
 vocabulary. Codec payloads travel without their own header (the message carries codec, block and
 element count), so nothing is said twice on the wire.
+
+A push is one value all the way (`core.events.Push`, its payload a `core.codec.Encoded`): the learner
+makes it, `bulk_frames` writes its fields and its payload's body into the frames (the one copy on the
+learner's side), and `event_for` makes it again on the syncer over the reassembled bytes, its learner
+the connection's. No header is stripped or rebuilt on the way: the body is what both sides hold.
 """
 
 from __future__ import annotations
@@ -113,16 +118,6 @@ class ProgressInfo:
 
 
 @dataclass(frozen=True)
-class PushInfo:
-    fragment: int
-    round: int
-    base_version: int
-    steps: int
-    tokens: int
-    payload: bytes  # codec bytes from core.codec.encode (header included; stripped on the wire)
-
-
-@dataclass(frozen=True)
 class MarkerInfo:
     snapshot: int  # a consistent snapshot started: record the local state at the next step boundary
 
@@ -201,23 +196,36 @@ def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits, c
 
 
 def bulk_frames(
-    item: PushInfo | InitInfo | LocalStateInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+    item: ev.Push | InitInfo | LocalStateInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
 ) -> list:
+    """The frames of a bulk message; the payload is copied once, into them (`wire.encode`)."""
+    if isinstance(item, ev.Push):
+        return wire.encode(push_message(item, clock or {}), message_id=message_id, limits=limits)
     if isinstance(item, LocalStateInfo):
         m = msg.LocalState(snapshot=item.snapshot, sha256=hashlib.sha256(item.data).hexdigest(), clock=clock or {},
                            payload=item.data)
         return wire.encode(m, message_id=message_id, limits=limits)
     enc = codecs.parse(item.payload)
-    body = memoryview(item.payload)[codecs.HEADER_BYTES :]
-    if isinstance(item, InitInfo):
-        m = msg.Init(fragment=item.fragment, element_count=enc.elements, clock=clock or {}, payload=body)
-    else:
-        m = msg.Push(
-            fragment=item.fragment, round=item.round, base_version=item.base_version, steps=item.steps,
-            tokens=item.tokens, codec=enc.codec.value, block=max(enc.block, 1), element_count=enc.elements, clock=clock or {},
-            payload=body,
-        )
+    m = msg.Init(fragment=item.fragment, element_count=enc.elements, clock=clock or {}, payload=enc.body)
     return wire.encode(m, message_id=message_id, limits=limits)
+
+
+def push_message(push: ev.Push, clock: dict[str, int]) -> msg.Push:
+    """The wire message of a push: its fields, and its payload's body with the codec, block and size
+    beside it (`learner` is not sent: the syncer knows the sender by its connection). The wire's
+    block is at least 1; a codec without blocks reads it as 0 (`push_event`)."""
+    enc = push.payload
+    return msg.Push(
+        fragment=push.fragment, round=push.round, base_version=push.base_version, steps=push.steps, tokens=push.tokens,
+        codec=enc.codec, block=max(enc.block, 1), element_count=enc.elements, clock=clock, payload=enc.body,
+    )
+
+
+def push_event(m: msg.Push, learner: int, layout: Layout | None) -> ev.Push:
+    """The push again on the syncer, its payload a view over the received bytes; SessionError when the
+    fragment does not exist or the payload does not fit it."""
+    encoded = _encoded(m.codec.value, m.block, m.element_count, m.payload, _fragment_size(layout, m.fragment))
+    return ev.Push(learner, m.fragment, m.round, m.base_version, m.steps, m.tokens, encoded)
 
 
 def client_view(m: msg.Message) -> object:
@@ -253,14 +261,11 @@ def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | N
         raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"{type(m).__name__} before hello", fatal=True)
     if isinstance(m, msg.Progress):
         return ev.Progress(learner, m.step, m.held_versions, m.fragment_steps, m.fragment_tokens)
-    if isinstance(m, (msg.Push, msg.Init)):
-        expected = _fragment_size(layout, m.fragment)
-        codec_name = m.codec.value if isinstance(m, msg.Push) else "fp32"
-        block = m.block if isinstance(m, msg.Push) else 0
-        encoded = _encoded(codec_name, block, m.element_count, m.payload, expected)
-        if isinstance(m, msg.Init):
-            return ev.InitFragment(learner, m.fragment, encoded)
-        return ev.Push(learner, m.fragment, m.round, m.base_version, m.steps, m.tokens, encoded)
+    if isinstance(m, msg.Push):
+        return push_event(m, learner, layout)
+    if isinstance(m, msg.Init):
+        encoded = _encoded("fp32", 0, m.element_count, m.payload, _fragment_size(layout, m.fragment))
+        return ev.InitFragment(learner, m.fragment, encoded)
     if isinstance(m, msg.Bye):
         return ev.Disconnect(learner, f"bye: {m.reason}")
     if isinstance(m, (msg.Error, msg.LocalState)):

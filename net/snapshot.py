@@ -106,7 +106,7 @@ def record_inflight(snap: Snapshot, event: ev.Event) -> None:
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
         if isinstance(value, codecs.Encoded):
-            body = b"".join(bytes(memoryview(a).cast("B")) for a in ([value.scales] if value.scales is not None else []) + [value.data])
+            body = value.body  # scales then codes, as received
             sha = hashlib.sha256(body).hexdigest()
             files.write_atomic(snap.directory / INFLIGHT_DIR / sha, [body], what=f"write snapshot {snap.ident}'s message in flight")
             value = {"codec": value.codec.value, "block": value.block, "elements": value.elements, "sha256": sha}

@@ -1,10 +1,12 @@
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from ddiloco.core import codec
 from ddiloco.core.layout import TensorSpec, build_layout
-from ddiloco.core.merge import Contribution, merge
+from ddiloco.core.merge import merge
 
 
 def one_fragment(sizes, embedding=()):
@@ -12,8 +14,17 @@ def one_fragment(sizes, embedding=()):
     return build_layout(ts, 1, block=128).fragments[0]
 
 
+@dataclass(frozen=True)
+class Part:
+    """A contribution of a given weight (core.merge.Contribution; the syncer's are its pushes)."""
+
+    learner: int
+    weight: float
+    payload: codec.Encoded
+
+
 def contrib(learner, weight, vec, name="fp32"):
-    return Contribution(learner, weight, codec.parse(codec.encode(vec, name)))
+    return Part(learner, weight, codec.parse(codec.encode(vec, name)))
 
 
 def padded(frag, *parts):

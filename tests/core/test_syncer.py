@@ -194,6 +194,22 @@ def test_quorum_two_waits_for_both_and_skips_when_superseded():
     assert "skipped: quorum 1/2" in [d for d in h.state.decisions if d.outcome == "skipped"][0].reason
 
 
+def test_the_round_keeps_the_push_it_was_handed_and_merges_from_its_payload():
+    h = Harness(quorum=2)
+    two_live(h)
+    fragment, rnd = open_round(h, 1)
+    spec = h.state.layout.fragments[fragment]
+    vec = np.linspace(-0.01, 0.01, spec.padded_size, dtype=np.float32)
+    push = Push(1, fragment, rnd, 0, 2, 200, codec.parse(codec.encode(vec, "int4")))
+    assert not h.of(Merged, h.send(push))
+    assert h.state.fragments[fragment].open.pushes[1] is push  # the value itself, no record copied from it
+    assert push.weight == 200 * 200 / 2
+    theta = h.state.fragments[fragment].theta.copy()
+    (merged,) = h.of(Merged, h.push(2, fragment, rnd, vec=vec))
+    assert merged.learners == (1, 2)
+    assert not np.array_equal(h.state.fragments[fragment].theta, theta)  # merged from the kept payload
+
+
 def test_stale_push_rejected_and_current_version_resent():
     h = Harness(quorum=1)
     two_live(h)

@@ -4,15 +4,15 @@ import logging
 
 import numpy as np
 from ddiloco.core import codec
+from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
-from ddiloco.net import session
 from ddiloco.net.client import ClientConfig, SyncerClient
 
 TENSORS = (TensorSpec("w", (256,), "float32", False),)
 
 
-def push(round_: int) -> session.PushInfo:
-    return session.PushInfo(0, round_, 0, 1, 64, codec.encode(np.zeros(256, np.float32), "int4"))
+def push(round_: int) -> Push:
+    return Push(1, 0, round_, 0, 1, 64, codec.parse(codec.encode(np.zeros(256, np.float32), "int4")))
 
 
 def test_a_full_push_queue_refuses_and_counts(caplog):

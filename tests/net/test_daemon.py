@@ -12,6 +12,7 @@ import pytest
 
 from ddiloco.core import codec, syncer
 from ddiloco.core.config import SyncerConfig
+from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
 from ddiloco.net import messages as msg
 from ddiloco.net import session, store, wire
@@ -106,7 +107,8 @@ class Learner:
         while box.requests:
             r = box.requests.popleft()
             vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-            self.client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 64, codec.encode(vec, "int4")))
+            self.client.queue_push(Push(self.client.inbox.welcome.learner, r.fragment, r.round, r.base_version, 1, 64,
+                                        codec.parse(codec.encode(vec, "int4"))))
 
     async def stop(self):
         await self.client.close()
@@ -243,7 +245,7 @@ async def test_learner_dying_half_way_through_a_push(tmp_path):
     await s.start()
     a, b = await two_learners(s)
     vec = np.ones(a.sizes[0], dtype=np.float32)
-    push = session.PushInfo(0, 1, 0, 1, 64, codec.encode(vec, "fp32"))
+    push = Push(3, 0, 1, 0, 1, 64, codec.parse(codec.encode(vec, "fp32")))
     frames = session.bulk_frames(push, 99, SMALL)
     assert len(frames) > 2
     # a third learner says hello, sends the first half of a push, and dies
@@ -286,7 +288,7 @@ async def test_stale_push_rejected_with_reason_and_current_version_resent(tmp_pa
     rnd = state.fragments[frag].open.number
     vec = np.zeros(a.sizes[frag], dtype=np.float32)
     a.client.inbox.updates.clear()
-    a.client.queue_push(session.PushInfo(frag, rnd, 0, 1, 64, codec.encode(vec, "int4")))
+    a.client.queue_push(Push(me, frag, rnd, 0, 1, 64, codec.parse(codec.encode(vec, "int4"))))
     await until(lambda: any(e.code == "stale" for e in a.client.inbox.errors), what="stale error")
     err = next(e for e in a.client.inbox.errors if e.code == "stale")
     assert "base version 0" in err.text

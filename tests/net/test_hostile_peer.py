@@ -18,6 +18,7 @@ import pytest
 
 from ddiloco.core import codec, syncer
 from ddiloco.core.config import SyncerConfig
+from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
 from ddiloco.net import messages as msg
 from ddiloco.net import session, wire
@@ -95,7 +96,7 @@ class Daemon:
             while box.requests:
                 r = box.requests.popleft()
                 vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-                self.client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 64, codec.encode(vec, "int4")))
+                self.client.queue_push(Push(0, r.fragment, r.round, r.base_version, 1, 64, codec.parse(codec.encode(vec, "int4"))))
             await asyncio.sleep(0.02)
         async with self.http.get(f"http://127.0.0.1:{self.server.port}/healthz") as answer:
             assert answer.status == 200

@@ -10,6 +10,7 @@ from ddiloco.cli import main as cli_main
 from ddiloco.core import codec, syncer
 from ddiloco.core import tape as tapes
 from ddiloco.core.config import SyncerConfig
+from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
 from ddiloco.net import recording, session, wire
 from ddiloco.net.client import ClientConfig, SyncerClient
@@ -60,7 +61,8 @@ class Learner:
         while box.requests:
             r = box.requests.popleft()
             vec = (self.rng.standard_normal(self.sizes[r.fragment]) * 0.01).astype(np.float32)
-            self.client.queue_push(session.PushInfo(r.fragment, r.round, r.base_version, 1, 64, codec.encode(vec, "int4")))
+            self.client.queue_push(Push(self.client.inbox.welcome.learner, r.fragment, r.round, r.base_version, 1, 64,
+                                        codec.parse(codec.encode(vec, "int4"))))
 
     async def kill(self):
         """Gone without a bye: the task dies, the socket closes under the syncer."""
