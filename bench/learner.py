@@ -61,9 +61,24 @@ def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen
     log_path = work / "syncer.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(work / "token"),
-             "--fragments", str(cfg.fragments), "--period", str(cfg.period), "--overlap", str(cfg.overlap)],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "syncer",
+                "--port",
+                "0",
+                "--auth-token-file",
+                str(work / "token"),
+                "--fragments",
+                str(cfg.fragments),
+                "--period",
+                str(cfg.period),
+                "--overlap",
+                str(cfg.overlap),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + SYNCER_START_S_MAX
     while time.monotonic() < deadline and proc.poll() is None:
@@ -78,9 +93,10 @@ def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen
 def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict:
     import jax
     import numpy as np
+
+    from ddiloco.learner.sync import DilocoSync, SyncConfig
     from ddiloco.reference import data
     from ddiloco.reference import model as reference
-    from ddiloco.learner.sync import DilocoSync, SyncConfig
 
     work = Path(work or tempfile.mkdtemp(prefix="ddiloco-bench-learner-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -90,12 +106,16 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
     params = reference.init_params(mcfg, jax.random.PRNGKey(cfg.seed))
     opt_state = tx.init(params)
     train_step = reference.make_train_step(mcfg, tx)
-    stream = data.batches(data.Shard(0, 1).slice(data.train_bytes()), cfg.batch, mcfg.seq, np.random.default_rng(cfg.seed))
+    stream = data.batches(
+        data.Shard(0, 1).slice(data.train_bytes()), cfg.batch, mcfg.seq, np.random.default_rng(cfg.seed)
+    )
     tokens = cfg.batch * mcfg.seq
     proc, port, token = _start_syncer(cfg, work)
     sync = None
     try:
-        sync = DilocoSync.connect(params, SyncConfig(url=f"ws://127.0.0.1:{port}/ws", name="bench", token=token, codec=cfg.codec))
+        sync = DilocoSync.connect(
+            params, SyncConfig(url=f"ws://127.0.0.1:{port}/ws", name="bench", token=token, codec=cfg.codec)
+        )
 
         def one(hooked: bool) -> float:
             nonlocal params, opt_state
@@ -115,7 +135,7 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         per_block = cfg.steps // cfg.rounds
         for r in range(cfg.rounds):
             block = {}
-            for hooked in ((False, True) if r % 2 == 0 else (True, False)):
+            for hooked in (False, True) if r % 2 == 0 else (True, False):
                 before = (_cpu_s(), _cpu_s(proc.pid))
                 block[hooked] = [one(hooked) for _ in range(per_block)]
                 cpu[hooked][0] += _cpu_s() - before[0]
@@ -171,17 +191,37 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 def format_report(r: dict) -> str:
     c = r["config"]
     rows = [
-        ("loop", (f"{c['model']} byte transformer, batch {c['batch']}, {c['fragments']} fragments, H = {c['period']}, "
-                  f"tau = {c['overlap']}, push {c['codec']}; {r['steps_each']} steps each way in {c['rounds']} blocks")),
+        (
+            "loop",
+            (
+                f"{c['model']} byte transformer, batch {c['batch']}, {c['fragments']} fragments, H = {c['period']}, "
+                f"tau = {c['overlap']}, push {c['codec']}; {r['steps_each']} steps each way in {c['rounds']} blocks"
+            ),
+        ),
         ("without hook", f"mean {r['plain_mean_ms']:.2f} ms, p50 {r['plain_p50_ms']:.2f} ms per step"),
-        ("with hook", (f"mean {r['hooked_mean_ms']:.2f} ms, p50 {r['hooked_p50_ms']:.2f} ms per step "
-                       f"({r['merged_versions_applied']} merged fragment versions applied)")),
-        ("CPU per step", (f"without hook {r['plain_cpu_ms']:.1f} ms, with hook {r['hooked_cpu_ms']:.1f} ms in this process "
-                          f"and {r['syncer_cpu_ms']:.1f} ms in the syncer's (all threads; "
-                          f"{100 * ((r['hooked_cpu_ms'] + r['syncer_cpu_ms']) / r['plain_cpu_ms'] - 1):+.1f}% in all)")),
-        ("overhead", (f"{r['overhead_pct']:+.1f}% of the step time, median of {c['rounds']} rounds (quartiles "
-                      f"{r['overhead_quartiles_pct'][0]:+.1f}% / {r['overhead_quartiles_pct'][1]:+.1f}%; of all steps' means "
-                      f"{r['overhead_of_means_pct']:+.1f}%); target <= 5%")),
+        (
+            "with hook",
+            (
+                f"mean {r['hooked_mean_ms']:.2f} ms, p50 {r['hooked_p50_ms']:.2f} ms per step "
+                f"({r['merged_versions_applied']} merged fragment versions applied)"
+            ),
+        ),
+        (
+            "CPU per step",
+            (
+                f"without hook {r['plain_cpu_ms']:.1f} ms, with hook {r['hooked_cpu_ms']:.1f} ms in this process "
+                f"and {r['syncer_cpu_ms']:.1f} ms in the syncer's (all threads; "
+                f"{100 * ((r['hooked_cpu_ms'] + r['syncer_cpu_ms']) / r['plain_cpu_ms'] - 1):+.1f}% in all)"
+            ),
+        ),
+        (
+            "overhead",
+            (
+                f"{r['overhead_pct']:+.1f}% of the step time, median of {c['rounds']} rounds (quartiles "
+                f"{r['overhead_quartiles_pct'][0]:+.1f}% / {r['overhead_quartiles_pct'][1]:+.1f}%; of all steps' means "
+                f"{r['overhead_of_means_pct']:+.1f}%); target <= 5%"
+            ),
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

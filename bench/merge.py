@@ -29,8 +29,8 @@ import dataclasses
 import importlib.util
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numba
 import numpy as np
@@ -347,13 +347,28 @@ def _learner_cases(n: int, rng: np.random.Generator) -> list[_Case]:
 
     return [
         # base, theta and residual read; codes, scales and the new residual written
-        _Case("learner encode int4 + feedback", 12 + int4_bytes + 4,
-              lambda: k.quantize_delta_int4(base, theta, residual, block), encode_composed, None),
-        _Case("learner encode, serial", 12 + int4_bytes + 4,
-              lambda: k.quantize_delta_int4(base, theta, residual, block, parallel=False), None, None),
+        _Case(
+            "learner encode int4 + feedback",
+            12 + int4_bytes + 4,
+            lambda: k.quantize_delta_int4(base, theta, residual, block),
+            encode_composed,
+            None,
+        ),
+        _Case(
+            "learner encode, serial",
+            12 + int4_bytes + 4,
+            lambda: k.quantize_delta_int4(base, theta, residual, block, parallel=False),
+            None,
+            None,
+        ),
         # the delta read; theta and base read and written
-        _Case("learner apply int4 delta", int4_bytes + 16,
-              lambda: k.apply_delta_int4(theta2, base2, codes, scales, block), apply_composed, None),
+        _Case(
+            "learner apply int4 delta",
+            int4_bytes + 16,
+            lambda: k.apply_delta_int4(theta2, base2, codes, scales, block),
+            apply_composed,
+            None,
+        ),
     ]
 
 
@@ -450,8 +465,14 @@ def run_merge_bench(config: MergeBenchConfig, progress: Callable[[str], None] | 
         traffic = int(round(case.bytes_per_element * n))
         timings.append((case.name, traffic, ours[case.name], numpy_s, torch_s))
     ceiling_row = KernelTiming(
-        "ceiling (b += c)", n, CEILING_BYTES_PER_ELEMENT * n, CEILING_BYTES_PER_ELEMENT * n / ceiling / 1e9,
-        ceiling, ceiling, None, None,
+        "ceiling (b += c)",
+        n,
+        CEILING_BYTES_PER_ELEMENT * n,
+        CEILING_BYTES_PER_ELEMENT * n / ceiling / 1e9,
+        ceiling,
+        ceiling,
+        None,
+        None,
     )
     return [ceiling_row] + [
         KernelTiming(name, n, traffic, s, traffic / s / 1e9, ceiling, numpy_s, torch_s)

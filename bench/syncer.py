@@ -44,8 +44,14 @@ class SyncerBenchConfig:
     ceiling_seconds: float = 4.0  # how long the baseline's processes push
 
     def __post_init__(self) -> None:
-        if (self.learners < 1 or self.params < 1024 or self.fragments < 1 or self.seconds <= 0 or self.step_hz <= 0
-                or self.ceiling_seconds <= 0):
+        if (
+            self.learners < 1
+            or self.params < 1024
+            or self.fragments < 1
+            or self.seconds <= 0
+            or self.step_hz <= 0
+            or self.ceiling_seconds <= 0
+        ):
             raise ValueError(f"bad syncer bench config {self}")
 
 
@@ -55,7 +61,9 @@ def bench_tensors(params: int, fragments: int) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(f"blocks/{i}/w", (size,)) for i in range(count))
 
 
-def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: str, seconds: float, step_hz: float, seed: int, out) -> None:
+def _learner_main(
+    url: str, name: str, params: int, fragments: int, codec_name: str, seconds: float, step_hz: float, seed: int, out
+) -> None:
     """One learner process: no training, just the protocol as fast as it goes."""
     from ddiloco.core import codec
     from ddiloco.core.events import Push
@@ -76,7 +84,9 @@ def _learner_main(url: str, name: str, params: int, fragments: int, codec_name: 
             for p, n in enumerate(sizes):
                 client.queue_init(p, codec.encode(rng.standard_normal(n).astype(np.float32), "fp32"))
             versions = [0] * len(sizes)
-        payloads = [codec.parse(codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name)) for n in sizes]
+        payloads = [
+            codec.parse(codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name)) for n in sizes
+        ]
         step, pushes = 0, 0
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -145,8 +155,10 @@ def wire_ceiling(processes: int, frame_bytes: int, seconds: float) -> float:
         port = site._server.sockets[0].getsockname()[1]
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        procs = [ctx.Process(target=_pusher_main, args=(f"ws://127.0.0.1:{port}/ws", frame_bytes, seconds, out), daemon=True)
-                 for _ in range(processes)]
+        procs = [
+            ctx.Process(target=_pusher_main, args=(f"ws://127.0.0.1:{port}/ws", frame_bytes, seconds, out), daemon=True)
+            for _ in range(processes)
+        ]
         for p in procs:
             p.start()
         while any(p.is_alive() for p in procs):
@@ -171,8 +183,11 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
     ceiling = wire_ceiling(config.learners, FRAME_BYTES_MAX_DEFAULT, config.ceiling_seconds)
     rss_before = _rss_now()
     core_cfg = SyncerConfig(
-        num_fragments=config.fragments, period=config.fragments, merge=config.merge,
-        broadcast_codec=config.broadcast_codec, learners_max=max(8, config.learners),
+        num_fragments=config.fragments,
+        period=config.fragments,
+        merge=config.merge,
+        broadcast_codec=config.broadcast_codec,
+        learners_max=max(8, config.learners),
     )
 
     async def main() -> dict:
@@ -184,7 +199,17 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         procs = [
             ctx.Process(
                 target=_learner_main,
-                args=(url, f"bench{i}", config.params, config.fragments, config.codec, config.seconds, config.step_hz, i, out),
+                args=(
+                    url,
+                    f"bench{i}",
+                    config.params,
+                    config.fragments,
+                    config.codec,
+                    config.seconds,
+                    config.step_hz,
+                    i,
+                    out,
+                ),
                 daemon=True,
             )
             for i in range(config.learners)
@@ -196,7 +221,12 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
             await asyncio.sleep(0.05)
             if not any(p.is_alive() for p in procs):
                 raise RuntimeError("every learner process exited before the first merge")
-        t0, m0, b0, c0 = time.perf_counter(), server.state.merges, server.metrics.bytes_in, server.metrics.merge_kernel_s
+        t0, m0, b0, c0 = (
+            time.perf_counter(),
+            server.state.merges,
+            server.metrics.bytes_in,
+            server.metrics.merge_kernel_s,
+        )
         o0 = server.metrics.bytes_out
         samples_before = len(server.metrics.round_samples_s)
         while any(p.is_alive() for p in procs):
@@ -210,8 +240,14 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         results = [out.get(timeout=10) for _ in procs]
         await server.stop(checkpoint=False)
         return {
-            "merges": merges, "wall_s": wall, "bytes_in": bytes_in, "bytes_out": bytes_out, "kernel_s": kernel_s, "rounds": rounds,
-            "learners": results, "rejected": dict(server.state.rejections),
+            "merges": merges,
+            "wall_s": wall,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "kernel_s": kernel_s,
+            "rounds": rounds,
+            "learners": results,
+            "rejected": dict(server.state.rejections),
         }
 
     raw = asyncio.run(main())
@@ -225,7 +261,9 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "payload_gbps_in": raw["bytes_in"] / raw["wall_s"] / 1e9,
         "gbps_out": raw["bytes_out"] / raw["wall_s"] / 1e9,
         "wire_ceiling_gbps": ceiling,
-        "traffic_over_ceiling": (raw["bytes_in"] + raw["bytes_out"]) / raw["wall_s"] / 1e9 / ceiling if ceiling else float("nan"),
+        "traffic_over_ceiling": (raw["bytes_in"] + raw["bytes_out"]) / raw["wall_s"] / 1e9 / ceiling
+        if ceiling
+        else float("nan"),
         "round_p50_ms": 1000 * statistics.median(rounds),
         "round_p99_ms": 1000 * rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))],
         "kernel_share": raw["kernel_s"] / raw["wall_s"],
@@ -253,18 +291,32 @@ def format_report(r: dict) -> str:
     c = r["config"]
     rows = [
         ("learners", f"{c['learners']}"),
-        ("params", f"{c['params'] / 1e6:.1f}M ({c['fragments']} fragments, push {c['codec']}, broadcast {c['broadcast_codec']}, {c['merge']})"),
+        (
+            "params",
+            f"{c['params'] / 1e6:.1f}M ({c['fragments']} fragments, push {c['codec']}, broadcast {c['broadcast_codec']}, {c['merge']})",
+        ),
         ("measured", f"{r['wall_s']:.1f} s, {r['merges']} merges, {r['pushes']} pushes"),
         ("merges/s", f"{r['merges_per_s']:.2f}"),
         ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
-        ("sent out", f"{r['gbps_out']:.3f} GB/s ({r['gbps_out'] / max(r['payload_gbps_in'], 1e-12):.1f} bytes out per byte in)"),
-        ("wire ceiling", (f"{r['wire_ceiling_gbps']:.3f} GB/s ({c['learners']} processes pushing to a server that only counts; "
-                          f"the syncer's in + out is {100 * r['traffic_over_ceiling']:.0f}% of it)")),
+        (
+            "sent out",
+            f"{r['gbps_out']:.3f} GB/s ({r['gbps_out'] / max(r['payload_gbps_in'], 1e-12):.1f} bytes out per byte in)",
+        ),
+        (
+            "wire ceiling",
+            (
+                f"{r['wire_ceiling_gbps']:.3f} GB/s ({c['learners']} processes pushing to a server that only counts; "
+                f"the syncer's in + out is {100 * r['traffic_over_ceiling']:.0f}% of it)"
+            ),
+        ),
         ("round latency", f"p50 {r['round_p50_ms']:.1f} ms, p99 {r['round_p99_ms']:.1f} ms"),
         ("core share", f"{100 * r['kernel_share']:.1f}% of wall time in merges (kernels + outer step)"),
-        ("syncer peak RSS", f"{r['syncer_peak_rss_bytes'] / 2**20:.0f} MiB = {r['rss_over_fp32_model']:.2f}x the fp32 model "
-                            f"({r['added_rss_over_fp32_model']:.2f}x above the {r['rss_before_bytes'] / 2**20:.0f} MiB "
-                            "the process held before the model)"),
+        (
+            "syncer peak RSS",
+            f"{r['syncer_peak_rss_bytes'] / 2**20:.0f} MiB = {r['rss_over_fp32_model']:.2f}x the fp32 model "
+            f"({r['added_rss_over_fp32_model']:.2f}x above the {r['rss_before_bytes'] / 2**20:.0f} MiB "
+            "the process held before the model)",
+        ),
         ("rejected", f"{r['rejected'] or 'none'}"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -8,4 +8,15 @@ from ddiloco.chaos.faults import FAULT_KINDS, ChaosConfig, Fault, Plan, draw_pla
 from ddiloco.chaos.invariants import INVARIANTS, Checker, Violation
 from ddiloco.chaos.run import Result, run_seed
 
-__all__ = ["FAULT_KINDS", "INVARIANTS", "ChaosConfig", "Checker", "Fault", "Plan", "Result", "Violation", "draw_plan", "run_seed"]
+__all__ = [
+    "FAULT_KINDS",
+    "INVARIANTS",
+    "ChaosConfig",
+    "Checker",
+    "Fault",
+    "Plan",
+    "Result",
+    "Violation",
+    "draw_plan",
+    "run_seed",
+]

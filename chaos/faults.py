@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from ddiloco.chaos.learner import LearnerProfile
 from ddiloco.chaos.network import LinkProfile
 from ddiloco.core.config import SyncerConfig
@@ -85,11 +86,13 @@ class Plan:
     def describe(self) -> list[str]:
         cfg = self.syncer
         lines = [
-            (f"seed {self.seed}: {len(self.learners)} learners, {len(self.tensors)} tensors, P={cfg.num_fragments} "
-            f"H={cfg.period} tau={cfg.grace.overlap} K={cfg.quorum} merge={cfg.merge.value} "
-            f"broadcast={cfg.broadcast_codec.value} block={cfg.block} gamma={cfg.grace.gamma:.2f} "
-            f"grace_ms_max={cfg.grace.grace_ms_max:.0f} lr={cfg.outer.lr} mu={cfg.outer.momentum} "
-            f"checkpoint_every_merges={cfg.checkpoint_every_merges}"),
+            (
+                f"seed {self.seed}: {len(self.learners)} learners, {len(self.tensors)} tensors, P={cfg.num_fragments} "
+                f"H={cfg.period} tau={cfg.grace.overlap} K={cfg.quorum} merge={cfg.merge.value} "
+                f"broadcast={cfg.broadcast_codec.value} block={cfg.block} gamma={cfg.grace.gamma:.2f} "
+                f"grace_ms_max={cfg.grace.grace_ms_max:.0f} lr={cfg.outer.lr} mu={cfg.outer.momentum} "
+                f"checkpoint_every_merges={cfg.checkpoint_every_merges}"
+            ),
         ]
         lines += [f"  fault {f.describe()}" for f in self.faults]
         return lines
@@ -99,8 +102,12 @@ def draw_plan(seed: int, rng: np.random.Generator, config: ChaosConfig) -> Plan:
     tensors = _draw_tensors(rng)
     learners = tuple(_draw_learner(rng) for _ in range(int(rng.integers(2, LEARNERS_MAX + 1))))
     syncer = _draw_syncer(rng, len(tensors), len(learners))
-    faults = tuple(sorted((_draw_fault(rng, config, len(learners)) for _ in range(int(rng.integers(0, config.faults_max + 1)))),
-                          key=lambda f: (f.at, f.kind, f.learner)))
+    faults = tuple(
+        sorted(
+            (_draw_fault(rng, config, len(learners)) for _ in range(int(rng.integers(0, config.faults_max + 1)))),
+            key=lambda f: (f.at, f.kind, f.learner),
+        )
+    )
     return Plan(seed, syncer, tensors, learners, faults)
 
 
@@ -114,25 +121,41 @@ def _draw_tensors(rng: np.random.Generator) -> tuple[TensorSpec, ...]:
 
 
 def _draw_learner(rng: np.random.Generator) -> LearnerProfile:
-    link = LinkProfile(latency_s=float(rng.uniform(0.0005, 0.02)), jitter_s=float(rng.uniform(0, 0.01)),
-                       bytes_per_s=float(10 ** rng.uniform(5, 7)))
+    link = LinkProfile(
+        latency_s=float(rng.uniform(0.0005, 0.02)),
+        jitter_s=float(rng.uniform(0, 0.01)),
+        bytes_per_s=float(10 ** rng.uniform(5, 7)),
+    )
     tokens_min = int(rng.integers(32, 257))
-    return LearnerProfile(step_s=float(rng.uniform(0.04, 0.15)), step_jitter=float(rng.uniform(0, 0.3)),
-                          tokens_min=tokens_min, tokens_max=tokens_min + int(rng.integers(0, 129)),
-                          pull=float(rng.uniform(0.01, 0.2)), noise=float(rng.uniform(0, 0.02)), link=link)
+    return LearnerProfile(
+        step_s=float(rng.uniform(0.04, 0.15)),
+        step_jitter=float(rng.uniform(0, 0.3)),
+        tokens_min=tokens_min,
+        tokens_max=tokens_min + int(rng.integers(0, 129)),
+        pull=float(rng.uniform(0.01, 0.2)),
+        noise=float(rng.uniform(0, 0.02)),
+        link=link,
+    )
 
 
 def _draw_syncer(rng: np.random.Generator, tensors: int, learners: int) -> SyncerConfig:
     fragments = int(rng.integers(1, tensors + 1))
     period = int(rng.integers(max(2, fragments), 2 * fragments + 3))  # H = 1: see docs/chaos-sim.md
     overlap = int(rng.integers(0, min(3, period) + 1))
-    grace = GraceConfig(gamma=float(rng.uniform(0, 0.9)), grace_ms_max=float(rng.choice([0.0, 50.0, 200.0, 1000.0])), overlap=overlap)
+    grace = GraceConfig(
+        gamma=float(rng.uniform(0, 0.9)), grace_ms_max=float(rng.choice([0.0, 50.0, 200.0, 1000.0])), overlap=overlap
+    )
     return SyncerConfig(
-        num_fragments=fragments, period=period, block=int(rng.choice([8, 16, 32])),
-        quorum=int(rng.integers(1, min(3, learners) + 1)), merge=MergeMethod(str(rng.choice(["rda", "mean"]))),
+        num_fragments=fragments,
+        period=period,
+        block=int(rng.choice([8, 16, 32])),
+        quorum=int(rng.integers(1, min(3, learners) + 1)),
+        merge=MergeMethod(str(rng.choice(["rda", "mean"]))),
         outer=OuterConfig(lr=float(rng.choice([0.5, 0.7, 1.0])), momentum=float(rng.choice([0.0, 0.9]))),
-        grace=grace, broadcast_codec=str(rng.choice(["fp32", "bf16"])),
-        checkpoint_every_merges=int(rng.integers(0, 6)), checkpoint_every_s=0.0,
+        grace=grace,
+        broadcast_codec=str(rng.choice(["fp32", "bf16"])),
+        checkpoint_every_merges=int(rng.integers(0, 6)),
+        checkpoint_every_s=0.0,
     )
 
 
@@ -141,6 +164,10 @@ def _draw_fault(rng: np.random.Generator, config: ChaosConfig, learners: int) ->
     at = float(rng.uniform(FAULTS_START_S, config.safety_s))
     duration = float(rng.uniform(0.01, config.fault_s_max))
     learner = -1 if kind.startswith("syncer") else int(rng.integers(0, learners))
-    amount = {"delay": float(rng.uniform(0.01, 0.5)), "drop": float(rng.uniform(0.01, 0.3)),
-              "duplicate": float(rng.uniform(0.05, 0.5)), "reorder": float(rng.uniform(0.05, 0.5))}.get(kind, 0.0)
+    amount = {
+        "delay": float(rng.uniform(0.01, 0.5)),
+        "drop": float(rng.uniform(0.01, 0.3)),
+        "duplicate": float(rng.uniform(0.05, 0.5)),
+        "reorder": float(rng.uniform(0.05, 0.5)),
+    }.get(kind, 0.0)
     return Fault(at, kind, learner, duration, amount)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from ddiloco.core.events import Effect, Event, InitFragment, Merged, Push, SendWelcome
 from ddiloco.core.ledger import FATES
 from ddiloco.core.syncer import LearnerStatus, SyncerState
@@ -62,8 +63,13 @@ def digest(values: np.ndarray) -> str:
 class Checker:
     """Feed it every core step with `after_event`, restarts with `after_restart`."""
 
-    def __init__(self, quorum: int, tokens_trained: Callable[[], int], holds_all: Callable[[int], bool],
-                 counted: Callable[[int, int, int], int | None] = lambda m, p, v: None):
+    def __init__(
+        self,
+        quorum: int,
+        tokens_trained: Callable[[], int],
+        holds_all: Callable[[int], bool],
+        counted: Callable[[int, int, int], int | None] = lambda m, p, v: None,
+    ):
         self.quorum = quorum
         self.tokens_trained = tokens_trained  # tokens trained by every learner process so far
         self.holds_all = holds_all  # does the learner behind this core id hold every fragment?
@@ -114,8 +120,13 @@ class Checker:
     def checkpointed(self, state: SyncerState) -> None:
         """The shell wrote a checkpoint of `state`: what a resumed syncer must hold exactly."""
         books = state.ledger
-        self._checkpoint = ([f.version for f in state.fragments], [digest(f.theta) for f in state.fragments],
-                            books.reported, dict(books.totals), books.open)
+        self._checkpoint = (
+            [f.version for f in state.fragments],
+            [digest(f.theta) for f in state.fragments],
+            books.reported,
+            dict(books.totals),
+            books.open,
+        )
 
     def after_restart(self, state: SyncerState, now: float) -> None:
         """A syncer resumed from its last checkpoint, or started empty when it never wrote one.
@@ -134,10 +145,18 @@ class Checker:
             held, thetas, reported, totals, open_ = self._checkpoint
             mine = [digest(f.theta) if f.theta is not None else None for f in state.fragments]
             if versions != held or mine != thetas:
-                self.fail("versions_grow", f"the resumed syncer holds versions {versions}, its checkpoint {held} (or other values)", now)
+                self.fail(
+                    "versions_grow",
+                    f"the resumed syncer holds versions {versions}, its checkpoint {held} (or other values)",
+                    now,
+                )
             books = state.ledger
             if books.reported != reported or books.totals != {**totals, "lost": totals["lost"] + open_}:
-                self.fail("ledger", f"the resumed books {books.summary()} are not the checkpoint's {totals}, open {open_}", now)
+                self.fail(
+                    "ledger",
+                    f"the resumed books {books.summary()} are not the checkpoint's {totals}, open {open_}",
+                    now,
+                )
             self._sent = {k: d for k, d in self._sent.items() if k[1] <= versions[k[0]]}
         self._totals, self._reported = dict(state.ledger.totals), state.ledger.reported
         self._check_ledger(state, now)
@@ -173,7 +192,9 @@ class Checker:
             and event.base_version == self._versions[p]
             and event.payload.elements == state.layout.fragments[p].padded_size
             and event.payload.all_finite()
-            and 0 <= event.steps and 0 <= event.tokens and (event.steps > 0 or event.tokens == 0)
+            and 0 <= event.steps
+            and 0 <= event.tokens
+            and (event.steps > 0 or event.tokens == 0)
         )
         pushes = self._pushes.setdefault((p, event.round), {})
         if admissible and event.learner not in pushes:
@@ -189,17 +210,27 @@ class Checker:
             if after < before:
                 self.fail("versions_grow", f"fragment {p} went from version {before} to {after}", now)
             elif after > before and (after != before + 1 or p not in merged or merged[p].version != after):
-                self.fail("versions_grow", f"fragment {p} went from version {before} to {after} without one Merged effect", now)
+                self.fail(
+                    "versions_grow",
+                    f"fragment {p} went from version {before} to {after} without one Merged effect",
+                    now,
+                )
             elif after == before and p in merged:
                 self.fail("versions_grow", f"Merged effect for fragment {p} but its version stayed {after}", now)
             elif after == before and theta != self._theta[p] and held_before:
-                self.fail("versions_grow", f"fragment {p} changed its values without a new version ({type(event).__name__})", now)
+                self.fail(
+                    "versions_grow",
+                    f"fragment {p} changed its values without a new version ({type(event).__name__})",
+                    now,
+                )
         if not held_before and state.holds_parameters:
             self._check_version_zero(state, event, now)
 
     def _check_version_zero(self, state: SyncerState, event: Event, now: float) -> None:
         if not isinstance(event, InitFragment) or event.learner not in self._asked_init:
-            self.fail("fresh_weights", f"version 0 completed by {type(event).__name__} of a learner never asked for it", now)
+            self.fail(
+                "fresh_weights", f"version 0 completed by {type(event).__name__} of a learner never asked for it", now
+            )
             return
         largest = max(float(np.max(np.abs(f.theta))) if f.theta.size else 0.0 for f in state.fragments)
         self._bound = max(BOUND_MIN, BOUND_FACTOR * largest)
@@ -210,7 +241,9 @@ class Checker:
         pushes = self._pushes.pop((e.fragment, closed), {}) if closed is not None else {}
         expected = sorted(m for m, w in pushes.items() if w > 0)
         if len(set(e.learners)) != len(e.learners) or sorted(e.learners) != expected:
-            self.fail("quorum", f"fragment {e.fragment} round {closed}: merged {list(e.learners)}, admissible {expected}", now)
+            self.fail(
+                "quorum", f"fragment {e.fragment} round {closed}: merged {list(e.learners)}, admissible {expected}", now
+            )
             return
         if len(e.learners) < self.quorum:
             self.fail("quorum", f"fragment {e.fragment} merged {len(e.learners)} pushes, quorum is {self.quorum}", now)
@@ -229,7 +262,11 @@ class Checker:
             if not (np.isfinite(frag.theta).all() and np.isfinite(frag.momentum.buf).all()):
                 self.fail("finite", f"fragment {p} holds NaN or Inf", now)
             elif self._bound is not None and float(np.max(np.abs(frag.theta), initial=0.0)) > self._bound:
-                self.fail("finite", f"fragment {p} has a value beyond the parameter bound {self._bound:g}: fresh weights leaked?", now)
+                self.fail(
+                    "finite",
+                    f"fragment {p} has a value beyond the parameter bound {self._bound:g}: fresh weights leaked?",
+                    now,
+                )
 
     def _check_ledger(self, state: SyncerState, now: float) -> None:
         books = state.ledger
@@ -241,7 +278,11 @@ class Checker:
             self.fail("ledger", f"the books shrank: {shrunk or 'reported'} ({self._totals} -> {totals})", now)
         ceiling = len(state.fragments) * self.tokens_trained()
         if reported > ceiling:
-            self.fail("ledger", f"{reported} tokens reported, but the learners trained only {ceiling // len(state.fragments)} (x{len(state.fragments)} fragments)", now)
+            self.fail(
+                "ledger",
+                f"{reported} tokens reported, but the learners trained only {ceiling // len(state.fragments)} (x{len(state.fragments)} fragments)",
+                now,
+            )
         self._totals, self._reported = totals, reported
         for (m, p), window in books.windows.items():
             rec = state.learners.get(m)
@@ -253,17 +294,28 @@ class Checker:
                 return
             most = self.counted(m, p, rec.versions[p])
             if most is not None and window.tokens > most:
-                self.fail("ledger", f"learner {m} fragment {p} version {rec.versions[p]}: the window holds {window.tokens} tokens, the learner counted {most}", now)
+                self.fail(
+                    "ledger",
+                    f"learner {m} fragment {p} version {rec.versions[p]}: the window holds {window.tokens} tokens, the learner counted {most}",
+                    now,
+                )
                 return
 
     def _check_held(self, state: SyncerState, now: float) -> None:
         for m, before in self._held.items():
             rec = state.learners[m]
             if rec.status is not LearnerStatus.GONE and any(a < b for a, b in zip(rec.versions, before)):
-                self.fail("versions_grow", f"the syncer now records learner {m} as holding {rec.versions}, before {before}", now)
+                self.fail(
+                    "versions_grow",
+                    f"the syncer now records learner {m} as holding {rec.versions}, before {before}",
+                    now,
+                )
 
     def _check_live(self, state: SyncerState, now: float) -> None:
         for m, rec in state.learners.items():
-            if rec.status is LearnerStatus.LIVE and self._status.get(m) is not LearnerStatus.LIVE and not self.holds_all(m):
+            if (
+                rec.status is LearnerStatus.LIVE
+                and self._status.get(m) is not LearnerStatus.LIVE
+                and not self.holds_all(m)
+            ):
                 self.fail("caught_up", f"learner {m} turned live while it does not hold every fragment", now)
-

@@ -30,8 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from ddiloco.core import codec
-from ddiloco.core.events import Push
+
 from ddiloco.chaos.network import (
     UP,
     Connection,
@@ -40,6 +39,8 @@ from ddiloco.chaos.network import (
     Network,
     Scheduler,
 )
+from ddiloco.core import codec
+from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, TensorSpec, layout_from_description
 from ddiloco.core.syncer import PROTOCOL_VERSION
 
@@ -84,8 +85,16 @@ class Inbox:
 
 
 class SimLearner:
-    def __init__(self, index: int, profile: LearnerProfile, tensors: tuple[TensorSpec, ...], seed: int,
-                 scheduler: Scheduler, network: Network, client_as_is: bool = False):
+    def __init__(
+        self,
+        index: int,
+        profile: LearnerProfile,
+        tensors: tuple[TensorSpec, ...],
+        seed: int,
+        scheduler: Scheduler,
+        network: Network,
+        client_as_is: bool = False,
+    ):
         self.index = index
         self.profile = profile
         self.tensors = tensors
@@ -252,7 +261,11 @@ class SimLearner:
         if welcome["needs_init"]:
             for q in range(p):
                 values = self._gather(q)
-                self._send(Message("init", {"fragment": q, "payload": codec.encode(values, "fp32")}, 4 * values.size, bulk=True))
+                self._send(
+                    Message(
+                        "init", {"fragment": q, "payload": codec.encode(values, "fp32")}, 4 * values.size, bulk=True
+                    )
+                )
                 self.base[q], self.versions[q] = values, 0
 
     def _step_time(self) -> float:
@@ -279,7 +292,12 @@ class SimLearner:
         if self.quiet:
             self._later(self._step_time(), f"learner {self.index} steps", self._step)
             return
-        progress = {"step": self.step_count, "versions": tuple(self.versions), "steps": tuple(self.steps), "tokens": tuple(self.tokens)}
+        progress = {
+            "step": self.step_count,
+            "versions": tuple(self.versions),
+            "steps": tuple(self.steps),
+            "tokens": tuple(self.tokens),
+        }
         self._send(Message("progress", progress, CONTROL_BYTES + 24 * len(self.steps)))
         self._later(self._step_time(), f"learner {self.index} steps", self._step)
 
@@ -303,8 +321,9 @@ class SimLearner:
         delta = self.base[q] - self._gather(q)
         payload = codec.encode(delta, self.profile.codec, self.layout.block)
         # The core's push value, made once, as learner.sync makes it; the network charges the codec's bytes.
-        push = Push(self.learner_id, q, req["round"], req["base_version"], self.steps[q], self.tokens[q],
-                    codec.parse(payload))
+        push = Push(
+            self.learner_id, q, req["round"], req["base_version"], self.steps[q], self.tokens[q], codec.parse(payload)
+        )
         self._send(Message("push", push, len(payload), bulk=True))
 
     def _apply(self, q: int, update: dict) -> None:

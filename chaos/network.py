@@ -151,10 +151,16 @@ class Network:
             self.reset(conn, f"{message.kind} lost on the wire")
             return
         due = self._due(conn, direction, message, faults)
-        self.scheduler.at(due, f"deliver {direction} c{conn.id} {message.kind}", lambda: self._deliver(conn, direction, message))
+        self.scheduler.at(
+            due, f"deliver {direction} c{conn.id} {message.kind}", lambda: self._deliver(conn, direction, message)
+        )
         if faults.duplicate_p and message.kind not in _NEVER_DUPLICATED and self.rng.random() < faults.duplicate_p:
             again = due + float(self.rng.uniform(*DUPLICATE_GAP_S))
-            self.scheduler.at(again, f"duplicate {direction} c{conn.id} {message.kind}", lambda: self._deliver(conn, direction, message))
+            self.scheduler.at(
+                again,
+                f"duplicate {direction} c{conn.id} {message.kind}",
+                lambda: self._deliver(conn, direction, message),
+            )
 
     def _due(self, conn: Connection, direction: str, message: Message, faults: LinkFaults) -> float:
         profile = self.profiles[conn.learner]
@@ -188,7 +194,9 @@ class Network:
         self.resets += 1
         self.conns.pop(conn.id, None)
         for side in ("syncer", "learner"):
-            self.scheduler.after(DETECT_S, f"reset c{conn.id} noticed by {side}", lambda side=side: self.on_reset(conn, side, why))
+            self.scheduler.after(
+                DETECT_S, f"reset c{conn.id} noticed by {side}", lambda side=side: self.on_reset(conn, side, why)
+            )
 
     def close(self, conn: Connection, why: str) -> None:
         """The syncer's orderly close (a Drop): like the daemon, it lets the control frames already

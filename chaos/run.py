@@ -28,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from ddiloco.core import syncer
+
 from ddiloco.chaos.faults import ChaosConfig, Fault, Plan, draw_plan
 from ddiloco.chaos.invariants import Checker
 from ddiloco.chaos.learner import SimLearner
 from ddiloco.chaos.network import UP, Network, Scheduler
 from ddiloco.chaos.shell import SimSyncer
+from ddiloco.core import syncer
 from ddiloco.core.syncer import LearnerStatus
 
 TRACE_TAIL = 40  # lines of trace kept in a result
@@ -73,10 +74,14 @@ class World:
         net_seed, syncer_seed = np.random.SeedSequence([plan.seed, 0xC4A05]).spawn(2)
         self.scheduler = Scheduler()
         self.network = Network(self.scheduler, np.random.default_rng(net_seed), tuple(p.link for p in plan.learners))
-        self.learners = [SimLearner(i, p, plan.tensors, plan.seed, self.scheduler, self.network, config.client_as_is)
-                         for i, p in enumerate(plan.learners)]
+        self.learners = [
+            SimLearner(i, p, plan.tensors, plan.seed, self.scheduler, self.network, config.client_as_is)
+            for i, p in enumerate(plan.learners)
+        ]
         self.checker = Checker(plan.syncer.quorum, self._tokens_trained, self._holds_all, self._counted)
-        self.syncer = SimSyncer(plan.syncer, self.scheduler, self.network, np.random.default_rng(syncer_seed), self.checker, self.trace)
+        self.syncer = SimSyncer(
+            plan.syncer, self.scheduler, self.network, np.random.default_rng(syncer_seed), self.checker, self.trace
+        )
         self.network.on_deliver = self._deliver
         self.network.on_reset = self._reset
         self._hash = hashlib.sha256()
@@ -164,8 +169,12 @@ class World:
             self.network.reset_learner(fault.learner, "partition")
             self.scheduler.at(end, "partition heals", lambda: self._end(link, "partitioned", True, False))
         else:
-            name, value, off = {"delay": ("extra_latency_s", fault.amount, 0.0), "drop": ("drop_p", fault.amount, 0.0),
-                                "duplicate": ("duplicate_p", fault.amount, 0.0), "reorder": ("reorder_s", fault.amount, 0.0)}[fault.kind]
+            name, value, off = {
+                "delay": ("extra_latency_s", fault.amount, 0.0),
+                "drop": ("drop_p", fault.amount, 0.0),
+                "duplicate": ("duplicate_p", fault.amount, 0.0),
+                "reorder": ("reorder_s", fault.amount, 0.0),
+            }[fault.kind]
             setattr(link, name, value)
             self.scheduler.at(end, f"{fault.kind} ends", lambda: self._end(link, name, value, off))
 
@@ -202,7 +211,10 @@ class World:
             self.target_step = state.global_step + self.config.liveness_periods * state.config.period
             # The global step follows the K-th most advanced learner, and a learner that rejoined
             # keeps its own step count: the deadline lets every learner walk to the target.
-            walk = max((self.target_step - lr.step_count) * lr.profile.step_s * (1 + lr.profile.step_jitter) for lr in self.learners)
+            walk = max(
+                (self.target_step - lr.step_count) * lr.profile.step_s * (1 + lr.profile.step_jitter)
+                for lr in self.learners
+            )
             self.step_deadline = now + 1.5 * max(walk, 0.0) + 2.0
             self.trace(f"{now:.6f} all learners live; global step {state.global_step} must reach {self.target_step}")
             self.scheduler.after(PROBE_S, "probe steps", self._probe_steps)
@@ -223,7 +235,10 @@ class World:
                 learner.quiet = True
             self.scheduler.after(DRAIN_S + state.config.grace.grace_ms_max / 1000.0, "compare versions", self._compare)
         elif now > self.step_deadline:
-            self.fail("liveness", f"global step stuck at {state.global_step}, needed {self.target_step} by t={self.step_deadline:.2f}")
+            self.fail(
+                "liveness",
+                f"global step stuck at {state.global_step}, needed {self.target_step} by t={self.step_deadline:.2f}",
+            )
         else:
             self.scheduler.after(PROBE_S, "probe steps", self._probe_steps)
 
@@ -232,7 +247,10 @@ class World:
         versions = [f.version for f in state.fragments]
         stuck = [p for p, (a, b) in enumerate(zip(self.live_versions, versions)) if b <= a]
         if stuck:
-            self.fail("liveness", f"fragments {stuck} never merged in {self.config.liveness_periods} periods after every learner was live (versions {versions})")
+            self.fail(
+                "liveness",
+                f"fragments {stuck} never merged in {self.config.liveness_periods} periods after every learner was live (versions {versions})",
+            )
         behind = {lr.index: list(lr.versions) for lr in self.learners if list(lr.versions) != versions}
         if behind:
             self.fail("liveness", f"learners disagree with the syncer's versions {versions}: {behind}")
@@ -257,10 +275,18 @@ def run_seed(seed: int, config: ChaosConfig | None = None, echo: Callable[[str],
     failure, detail, at = world.failure if world.failure is not None else (None, "", None)
     state = world.syncer.state
     return Result(
-        seed=seed, passed=failure is None, failure=failure, detail=detail, at=at,
-        events=world.syncer.events, actions=world.scheduler.actions_run, merges=state.merges,
-        faults=len(plan.faults), trace_hash=world._hash.hexdigest(),
-        state_hash=syncer.state_hash(state) if state.layout is not None else "", trace_tail=tuple(world.tail),
+        seed=seed,
+        passed=failure is None,
+        failure=failure,
+        detail=detail,
+        at=at,
+        events=world.syncer.events,
+        actions=world.scheduler.actions_run,
+        merges=state.merges,
+        faults=len(plan.faults),
+        trace_hash=world._hash.hexdigest(),
+        state_hash=syncer.state_hash(state) if state.layout is not None else "",
+        trace_tail=tuple(world.tail),
         plan=tuple(plan.describe()),
     )
 

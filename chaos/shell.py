@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
+
 from ddiloco import kernels
 from ddiloco.chaos.invariants import Checker
 from ddiloco.chaos.learner import CONTROL_BYTES
@@ -47,8 +48,15 @@ MERGE_COST_S = (0.0005, 0.005)  # the simulated time one merge takes, drawn unif
 class SimSyncer:
     """The simulated daemon: `net.shell.Shell` around the real core, this class its link."""
 
-    def __init__(self, config: SyncerConfig, scheduler: Scheduler, network: Network, rng: np.random.Generator,
-                 checker: Checker, trace: Callable[[str], None]):
+    def __init__(
+        self,
+        config: SyncerConfig,
+        scheduler: Scheduler,
+        network: Network,
+        rng: np.random.Generator,
+        checker: Checker,
+        trace: Callable[[str], None],
+    ):
         self.config = config
         self.scheduler = scheduler
         self.network = network
@@ -92,14 +100,24 @@ class SimSyncer:
         if message.kind == "hello":
             return Join(conn=conn.id, name=body["name"], tensors=body["tensors"], protocol=body["protocol"])
         learner = self.shell.learner_on(conn.id)
-        assert learner is not None, f"{message.kind} before the welcome on connection {conn.id}: the learner broke the protocol"
+        assert learner is not None, (
+            f"{message.kind} before the welcome on connection {conn.id}: the learner broke the protocol"
+        )
         if message.kind == "progress":
-            return Progress(learner=learner, step=body["step"], versions=body["versions"], steps=body["steps"], tokens=body["tokens"])
+            return Progress(
+                learner=learner,
+                step=body["step"],
+                versions=body["versions"],
+                steps=body["steps"],
+                tokens=body["tokens"],
+            )
         if message.kind == "push":
             # The learner's push value as it is, its sender the connection's learner (as net.session
             # does: a push queued in an earlier session names the old id).
             assert isinstance(body, Push), body
-            assert body.payload.elements == self.state.layout.fragments[body.fragment].padded_size, body.payload.elements
+            assert body.payload.elements == self.state.layout.fragments[body.fragment].padded_size, (
+                body.payload.elements
+            )
             return replace(body, learner=learner)
         assert message.kind == "init", message.kind
         expected = self.state.layout.fragments[body["fragment"]].padded_size
@@ -115,7 +133,9 @@ class SimSyncer:
         self.shell.handle(event, self.scheduler.now)
 
     def _observe(self, event: Event, effects: list[Effect], state: syncer.SyncerState, now: float) -> None:
-        self.trace(f"{now:.6f} core {_describe(event)} -> {' '.join(_describe(e) for e in effects if not isinstance(e, Log))}")
+        self.trace(
+            f"{now:.6f} core {_describe(event)} -> {' '.join(_describe(e) for e in effects if not isinstance(e, Log))}"
+        )
         self.checker.after_event(state, event, effects, now)
 
     def _merge_cost(self, _spent_s: float) -> tuple[float, float]:
@@ -129,8 +149,13 @@ class SimSyncer:
         if conn is None:
             return
         if isinstance(effect, SendWelcome):
-            body = {"learner": effect.learner, "layout": effect.layout, "versions": effect.versions,
-                    "global_step": effect.global_step, "needs_init": effect.needs_init}
+            body = {
+                "learner": effect.learner,
+                "layout": effect.layout,
+                "versions": effect.versions,
+                "global_step": effect.global_step,
+                "needs_init": effect.needs_init,
+            }
             message = Message("welcome", body, CONTROL_BYTES + 256)
         elif isinstance(effect, SendError):
             body = {"code": effect.code, "text": effect.text, "fatal": effect.fatal}
@@ -196,7 +221,9 @@ class SimSyncer:
         """A new daemon process with `--resume`: the state restored from the last checkpoint."""
         if self.up:
             return
-        self.shell.state = checkpoint.restore(self.checkpoint) if self.checkpoint is not None else syncer.new_state(self.config)
+        self.shell.state = (
+            checkpoint.restore(self.checkpoint) if self.checkpoint is not None else syncer.new_state(self.config)
+        )
         self.up = True
         self.network.syncer_up = True
         self.restarts += 1

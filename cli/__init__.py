@@ -24,17 +24,26 @@ from ddiloco.errors import DdilocoError, FaultError, UserError
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("ddiloco.cli.syncer", "run the syncer daemon"),
-    "status": ("ddiloco.cli.status", "a running syncer at a glance: learners, fragments, decisions, tokens (--json: raw)"),
+    "status": (
+        "ddiloco.cli.status",
+        "a running syncer at a glance: learners, fragments, decisions, tokens (--json: raw)",
+    ),
     "export": ("ddiloco.cli.export", "write the trained model out of a syncer checkpoint (safetensors, npz or orbax)"),
     "snapshot": ("ddiloco.cli.snapshot", "take a consistent snapshot of a running syncer and its learners"),
     "demo": ("ddiloco.cli.demo", "the chaos demo: a syncer and learners surviving kills (needs the learner extra)"),
     "learner": ("ddiloco.cli.learner", "run one learner of the reference model (needs the learner extra)"),
-    "launch": ("ddiloco.cli.launch", "start a syncer and learners on a cluster engine: `launch ray` (needs the launch extra)"),
+    "launch": (
+        "ddiloco.cli.launch",
+        "start a syncer and learners on a cluster engine: `launch ray` (needs the launch extra)",
+    ),
     "bench": ("ddiloco.cli.bench", "run a benchmark and print its table"),
     "replay": ("ddiloco.cli.replay", "replay a syncer's event tape and check it reproduces the run bit for bit"),
     "simulate": ("ddiloco.cli.simulate", "goodput simulator for large clusters under chip failures"),
     "chaos-sim": ("ddiloco.cli.chaos_sim", "deterministic simulation test of the syncer under faults drawn from seeds"),
-    "experiment": ("ddiloco.cli.experiment", "the paper's experiments in one process on a virtual clock (needs the learner extra)"),
+    "experiment": (
+        "ddiloco.cli.experiment",
+        "the paper's experiments in one process on a virtual clock (needs the learner extra)",
+    ),
     "fuzz": ("ddiloco.cli.fuzz", "fuzz a real syncer daemon with mutated frames while honest learners train"),
 }
 

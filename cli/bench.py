@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ddiloco.cli import user_input
 
@@ -64,7 +64,9 @@ def _merge_run(args: argparse.Namespace) -> int:
     from ddiloco.bench import merge
 
     with user_input():
-        config = merge.MergeBenchConfig(elements=args.elements, repeat=args.repeat, seed=args.seed, torch=not args.no_torch)
+        config = merge.MergeBenchConfig(
+            elements=args.elements, repeat=args.repeat, seed=args.seed, torch=not args.no_torch
+        )
     print(f"bench merge: {config}", file=sys.stderr)
     timings = merge.run_merge_bench(config, progress=lambda name: print(f"  timing {name}", file=sys.stderr))
     print(merge.format_table(timings, config))
@@ -92,8 +94,13 @@ def _syncer_run(args: argparse.Namespace) -> int:
 
     with user_input():
         config = syncer.SyncerBenchConfig(
-            learners=args.learners, params=args.params, codec=args.codec, fragments=args.fragments,
-            seconds=args.seconds, broadcast_codec=args.broadcast_codec, merge=args.merge,
+            learners=args.learners,
+            params=args.params,
+            codec=args.codec,
+            fragments=args.fragments,
+            seconds=args.seconds,
+            broadcast_codec=args.broadcast_codec,
+            merge=args.merge,
         )
     print(f"bench syncer: {config}", file=sys.stderr)
     result = syncer.run_syncer_bench(config)
@@ -108,8 +115,12 @@ def _syncer_run(args: argparse.Namespace) -> int:
 
 def _learner_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive_int, default=240, help="timed steps each way (default 240)")
-    p.add_argument("--rounds", type=_positive_int, default=20,
-                   help="alternating blocks each way; the overhead is the median over them (default 20)")
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=20,
+        help="alternating blocks each way; the overhead is the median over them (default 20)",
+    )
     p.add_argument("--batch", type=_positive_int, default=8, help="batch of the reference loop (default 8)")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
@@ -123,7 +134,9 @@ def _learner_run(args: argparse.Namespace) -> int:
     from ddiloco.bench import learner
 
     with user_input():
-        config = learner.LearnerBenchConfig(steps=args.steps, rounds=args.rounds, batch=args.batch, model=args.model, codec=args.codec)
+        config = learner.LearnerBenchConfig(
+            steps=args.steps, rounds=args.rounds, batch=args.batch, model=args.model, codec=args.codec
+        )
     print(f"bench learner: {config}", file=sys.stderr)
     result = learner.run_learner_bench(config)
     print(learner.format_report(result))
@@ -133,9 +146,17 @@ def _learner_run(args: argparse.Namespace) -> int:
 
 
 KINDS: dict[str, BenchKind] = {
-    "learner": BenchKind("step time of the reference training loop with the sync hook against without it", _learner_arguments, _learner_run),
-    "syncer": BenchKind("ingest of the real daemon with spawned learner processes over loopback", _syncer_arguments, _syncer_run),
-    "merge": BenchKind("throughput of the merge kernels against numpy, torch and memory bandwidth", _merge_arguments, _merge_run),
+    "learner": BenchKind(
+        "step time of the reference training loop with the sync hook against without it",
+        _learner_arguments,
+        _learner_run,
+    ),
+    "syncer": BenchKind(
+        "ingest of the real daemon with spawned learner processes over loopback", _syncer_arguments, _syncer_run
+    ),
+    "merge": BenchKind(
+        "throughput of the merge kernels against numpy, torch and memory bandwidth", _merge_arguments, _merge_run
+    ),
 }
 
 

@@ -52,12 +52,22 @@ def _seed(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seeds", type=parse_seeds, default=parse_seeds("0-99"), help="seeds to run: 0-999, 17 or 1,5,9-12 (default 0-99)")
+    parser.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        default=parse_seeds("0-99"),
+        help="seeds to run: 0-999, 17 or 1,5,9-12 (default 0-99)",
+    )
     parser.add_argument("--jobs", type=_jobs, default=1, help="worker processes (spawned; default 1)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every result as JSON")
-    parser.add_argument("--verbose", type=_seed, metavar="SEED", help="print the whole trace of this seed (it must be among --seeds)")
-    parser.add_argument("--client-as-is", action="store_true",
-                        help="learners send an old session's queued messages under a new learner id, as net/client.py does")
+    parser.add_argument(
+        "--verbose", type=_seed, metavar="SEED", help="print the whole trace of this seed (it must be among --seeds)"
+    )
+    parser.add_argument(
+        "--client-as-is",
+        action="store_true",
+        help="learners send an old session's queued messages under a new learner id, as net/client.py does",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
         _print_failure(r, args.client_as_is)
     events = sum(r.events for r in results)
     actions = sum(r.actions for r in results)
-    print(f"seeds {len(results)}, passed {len(results) - len(failed)}, failed {len(failed)}; "
-          f"{events} core events and {actions} simulated actions in {seconds:.1f} s")
+    print(
+        f"seeds {len(results)}, passed {len(results) - len(failed)}, failed {len(failed)}; "
+        f"{events} core events and {actions} simulated actions in {seconds:.1f} s"
+    )
     if args.json:
         _write_json(args.json, results, seconds)
     return 1 if failed else 0
@@ -115,15 +127,36 @@ def _print_failure(r, as_is: bool) -> None:
 
 
 def _write_json(path: Path, results: list, seconds: float) -> None:
-    keep = ("seed", "passed", "failure", "detail", "at", "events", "actions", "merges", "faults", "trace_hash", "state_hash")
+    keep = (
+        "seed",
+        "passed",
+        "failure",
+        "detail",
+        "at",
+        "events",
+        "actions",
+        "merges",
+        "faults",
+        "trace_hash",
+        "state_hash",
+    )
     doc = {
-        "seeds": len(results), "passed": sum(r.passed for r in results), "failed": sum(not r.passed for r in results),
-        "events": sum(r.events for r in results), "actions": sum(r.actions for r in results), "seconds": round(seconds, 3),
-        "results": [{k: getattr(r, k) for k in keep} | ({} if r.passed else {"plan": list(r.plan), "trace_tail": list(r.trace_tail)})
-                    for r in results],
+        "seeds": len(results),
+        "passed": sum(r.passed for r in results),
+        "failed": sum(not r.passed for r in results),
+        "events": sum(r.events for r in results),
+        "actions": sum(r.actions for r in results),
+        "seconds": round(seconds, 3),
+        "results": [
+            {k: getattr(r, k) for k in keep}
+            | ({} if r.passed else {"plan": list(r.plan), "trace_tail": list(r.trace_tail)})
+            for r in results
+        ],
     }
     try:
         path.write_text(json.dumps(doc, indent=1))
     except OSError as exc:
-        raise FaultError(f"cannot write {path}: {exc.strerror}",
-                         what_to_do="the seeds ran (see above): give --json a writable path to keep their results") from exc
+        raise FaultError(
+            f"cannot write {path}: {exc.strerror}",
+            what_to_do="the seeds ran (see above): give --json a writable path to keep their results",
+        ) from exc

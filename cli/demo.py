@@ -14,14 +14,22 @@ from ddiloco.errors import UserError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, default=4)
-    p.add_argument("--steps", type=int, help="the budget in data-parallel steps: the learners train steps x learners x batch x 64 tokens in all, in up to 2 x steps global steps (default 400; 60 with --quick)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="the budget in data-parallel steps: the learners train steps x learners x batch x 64 tokens in all, in up to 2 x steps global steps (default 400; 60 with --quick)",
+    )
     p.add_argument("--quick", action="store_true", help="a short run (about half a minute of training)")
     p.add_argument("--no-chaos", action="store_true", help="no kills and no pauses")
     p.add_argument("--kills", type=int, default=3, help="learner kills (default 3; 1 with --quick)")
     p.add_argument("--pauses", type=int, help="learner pauses (default 2; 1 with --quick)")
-    p.add_argument("--kill-syncer", action="store_true", help="also kill the syncer once and restart it from its checkpoint")
+    p.add_argument(
+        "--kill-syncer", action="store_true", help="also kill the syncer once and restart it from its checkpoint"
+    )
     p.add_argument("--speeds", help="comma-separated relative speeds in (0, 1], e.g. 1,1,0.7,0.7")
-    p.add_argument("--baseline", choices=["dp", "none"], default="dp", help="train a data-parallel baseline (default dp)")
+    p.add_argument(
+        "--baseline", choices=["dp", "none"], default="dp", help="train a data-parallel baseline (default dp)"
+    )
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--batch", type=int, default=8, help="per-learner batch (default 8)")
     p.add_argument("--period", type=int, help="H, steps between two syncs of one fragment (default 12; 8 with --quick)")
@@ -30,19 +38,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quorum", type=int, default=1, help="K, minimum learners per merge")
     p.add_argument("--outer-lr", type=float, default=1.0, help="outer learning rate (default 1.0: plain averaging)")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="outer Nesterov momentum (default 0)")
-    p.add_argument("--merge", choices=["rda", "mean"], default="rda", help="how the syncer merges outer gradients (default rda)")
+    p.add_argument(
+        "--merge", choices=["rda", "mean"], default="rda", help="how the syncer merges outer gradients (default rda)"
+    )
     p.add_argument("--grace-max-ms", type=float, default=1000.0, help="cap of the adaptive grace window")
-    p.add_argument("--grace-gamma", type=float, default=0.5, help="share of the slack the grace window waits (default 0.5)")
+    p.add_argument(
+        "--grace-gamma", type=float, default=0.5, help="share of the slack the grace window waits (default 0.5)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="where logs and checkpoints go (default: a new temp dir)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
-    p.add_argument("--snapshot-every-s", type=float, default=0.0,
-                   help="take a consistent snapshot (syncer + learners + messages in flight) every this many seconds "
-                        "into <workdir>/snapshots (also on `ddiloco snapshot URL`)")
-    p.add_argument("--restore", type=Path, metavar="SNAPSHOT_DIR",
-                   help="restart the whole system from a snapshot and train on to the token budget")
-    p.add_argument("--record", type=Path, metavar="DIR",
-                   help="record the whole run (syncer and learners) for `ddiloco replay DIR --full`")
+    p.add_argument(
+        "--snapshot-every-s",
+        type=float,
+        default=0.0,
+        help="take a consistent snapshot (syncer + learners + messages in flight) every this many seconds "
+        "into <workdir>/snapshots (also on `ddiloco snapshot URL`)",
+    )
+    p.add_argument(
+        "--restore",
+        type=Path,
+        metavar="SNAPSHOT_DIR",
+        help="restart the whole system from a snapshot and train on to the token budget",
+    )
+    p.add_argument(
+        "--record",
+        type=Path,
+        metavar="DIR",
+        help="record the whole run (syncer and learners) for `ddiloco replay DIR --full`",
+    )
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of loss against tokens, kills marked")
 
 
@@ -62,17 +86,32 @@ def config_from_args(args: argparse.Namespace):
     quick, full = args.quick, DemoConfig  # the dataclass's defaults are the full demo's
     with user_input():  # DemoConfig checks the values the flags gave
         cfg = DemoConfig(
-            learners=args.learners, steps=args.steps or (60 if quick else full.steps), batch=args.batch,
-            fragments=args.fragments, quorum=args.quorum, chaos=not args.no_chaos,
+            learners=args.learners,
+            steps=args.steps or (60 if quick else full.steps),
+            batch=args.batch,
+            fragments=args.fragments,
+            quorum=args.quorum,
+            chaos=not args.no_chaos,
             kills=1 if quick and args.kills == 3 else args.kills,
             pauses=args.pauses if args.pauses is not None else (1 if quick else 2),
-            kill_syncer=args.kill_syncer, speeds=_speeds(args.speeds), baseline=args.baseline == "dp",
-            seed=args.seed, model=args.model,
-            restart_delay_s=1.0 if quick else full.restart_delay_s, pause_s=1.0 if quick else full.pause_s,
+            kill_syncer=args.kill_syncer,
+            speeds=_speeds(args.speeds),
+            baseline=args.baseline == "dp",
+            seed=args.seed,
+            model=args.model,
+            restart_delay_s=1.0 if quick else full.restart_delay_s,
+            pause_s=1.0 if quick else full.pause_s,
             # a short run needs more frequent syncs to show merging at all
-            period=args.period or (8 if quick else full.period), overlap=args.overlap or full.overlap,
-            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, merge=args.merge, grace_ms_max=args.grace_max_ms, grace_gamma=args.grace_gamma,
-            record=args.record, snapshot_every_s=args.snapshot_every_s, restore=args.restore,
+            period=args.period or (8 if quick else full.period),
+            overlap=args.overlap or full.overlap,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            merge=args.merge,
+            grace_ms_max=args.grace_max_ms,
+            grace_gamma=args.grace_gamma,
+            record=args.record,
+            snapshot_every_s=args.snapshot_every_s,
+            restore=args.restore,
         )
     return cfg
 
@@ -82,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
     require_learner_extra()
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before minutes of training
-        raise MissingExtraError("--plot needs matplotlib: install the learner extra, e.g. `pip install 'ddiloco[learner]'`")
+        raise MissingExtraError(
+            "--plot needs matplotlib: install the learner extra, e.g. `pip install 'ddiloco[learner]'`"
+        )
     from ddiloco.demo.plot import write_plot
     from ddiloco.demo.report import report_json, report_text
     from ddiloco.demo.supervisor import run_demo

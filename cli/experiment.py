@@ -38,20 +38,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=NAMES + ("all",), help="the experiment, or all of them")
     p.add_argument("--quick", action="store_true", help="the tiny size (about a minute per experiment)")
     p.add_argument("--seeds", type=_positive_int, help="seeds 0..N-1 (at least 3; default 3)")
-    p.add_argument("--budget-tokens", type=_positive_int, metavar="N",
-                   help="token budget of the M = 4 runs (other M scale with it); default: the size's")
+    p.add_argument(
+        "--budget-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="token budget of the M = 4 runs (other M scale with it); default: the size's",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", type=Path, metavar="PATH", help="draw the experiment's plot (PNG; one experiment only)")
     p.add_argument("--results", type=Path, metavar="PATH", help="write the Markdown results page (plots beside it)")
-    p.add_argument("--from-json", type=Path, nargs="+", metavar="PATH",
-                   help="run nothing: take the results from JSON files written by --json (the first of each name wins)")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        metavar="PATH",
+        help="run nothing: take the results from JSON files written by --json (the first of each name wins)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.cli import require_learner_extra
 
     require_learner_extra()
-    from ddiloco.experiments import catalog as experiments, results_page as results
+    from ddiloco.experiments import catalog as experiments
+    from ddiloco.experiments import results_page as results
     from ddiloco.reference.model import enable_compilation_cache
 
     if args.plot and args.name == "all":
@@ -76,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
         done = []
     for name in names:
         started = time.perf_counter()
-        result = experiments.run_experiment(experiments.EXPERIMENTS[name], size, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = experiments.run_experiment(
+            experiments.EXPERIMENTS[name], size, progress=lambda line: print(line, file=sys.stderr, flush=True)
+        )
         result["host_s"] = time.perf_counter() - started
         done.append(result)
         print(f"\n{name} ({result['host_s']:.0f} s)\n{results.table(result)}\n{result['verdict']}", flush=True)
@@ -97,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
 def _load(paths: list[Path], names: tuple[str, ...]) -> list[dict]:
     """Saved results in the order of `names`; a clear error for a missing file or experiment."""
     from ddiloco.experiments import catalog as experiments
+
     found: dict[str, dict] = {}
     for path in paths:
         try:

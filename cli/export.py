@@ -14,8 +14,12 @@ FORMATS = ("safetensors", "npz", "orbax")  # learner.params_file.FORMATS, withou
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
-                   help="a checkpoint directory (its newest valid checkpoint is read) or one checkpoint file")
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="a checkpoint directory (its newest valid checkpoint is read) or one checkpoint file",
+    )
     p.add_argument("--format", required=True, choices=FORMATS, help="safetensors or npz: one file; orbax: a directory")
     p.add_argument("--out", required=True, type=Path, help="where to write (must not exist yet)")
 
@@ -24,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.learner import params_file
 
     done = params_file.export(args.checkpoint, args.out, args.format)
-    print(f"wrote {done.tensors} tensors ({done.values:,} values) of {done.checkpoint} "
-          f"(merge {done.merges}, global step {done.global_step}) to {done.path} as {args.format}")
+    print(
+        f"wrote {done.tensors} tensors ({done.values:,} values) of {done.checkpoint} "
+        f"(merge {done.merges}, global step {done.global_step}) to {done.path} as {args.format}"
+    )
     return 0

@@ -25,15 +25,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=200, help="fuzzed messages between two checks (default 200)")
     p.add_argument("--hostile-peers", type=int, default=3, help="hostile connections at once (default 3)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
-    p.add_argument("--log-level", default="error", choices=["info", "warning", "error"],
-                   help="the daemon's log (default error: every refusal is a warning)")
+    p.add_argument(
+        "--log-level",
+        default="error",
+        choices=["info", "warning", "error"],
+        help="the daemon's log (default error: every refusal is a warning)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.net import fuzz
 
-    config = fuzz.FuzzConfig(seconds=args.seconds, seed=args.seed, frames_max=args.frames, batch_frames=args.batch,
-                             hostile_peers=args.hostile_peers)
+    config = fuzz.FuzzConfig(
+        seconds=args.seconds,
+        seed=args.seed,
+        frames_max=args.frames,
+        batch_frames=args.batch,
+        hostile_peers=args.hostile_peers,
+    )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     report = fuzz.run(config)
     for line in report.lines():

@@ -20,33 +20,77 @@ RESOURCES_MAX = 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="engine", metavar="ENGINE", required=True)
-    r = sub.add_parser("ray", help="the syncer and learners as Ray actors with restart policies",
-                       description="Start the syncer and M learners as Ray actors (needs the launch extra).")
+    r = sub.add_parser(
+        "ray",
+        help="the syncer and learners as Ray actors with restart policies",
+        description="Start the syncer and M learners as Ray actors (needs the launch extra).",
+    )
     r.add_argument("--learners", type=int, required=True, metavar="M", help="number of learners (shards 0/M ... M-1/M)")
     r.add_argument("--address", help="the Ray cluster to join (default: RAY_ADDRESS, else a new local one)")
-    r.add_argument("--token-file", type=Path, required=True, help="the shared bearer token (mode 0600); reaches the actors as a 0600 file")
-    r.add_argument("--checkpoint-dir", type=Path, default=Path("ddiloco-checkpoints"),
-                   help="the syncer's checkpoints, on its node; a restarted syncer resumes from here (default ./ddiloco-checkpoints)")
-    r.add_argument("--log-dir", type=Path, default=Path("ddiloco-logs"),
-                   help="syncer.log and learner-<i>.log, on each node (default ./ddiloco-logs)")
+    r.add_argument(
+        "--token-file",
+        type=Path,
+        required=True,
+        help="the shared bearer token (mode 0600); reaches the actors as a 0600 file",
+    )
+    r.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path("ddiloco-checkpoints"),
+        help="the syncer's checkpoints, on its node; a restarted syncer resumes from here (default ./ddiloco-checkpoints)",
+    )
+    r.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path("ddiloco-logs"),
+        help="syncer.log and learner-<i>.log, on each node (default ./ddiloco-logs)",
+    )
     r.add_argument("--host", default="0.0.0.0", help="where the syncer listens (default every interface)")
     r.add_argument("--port", type=int, default=8470, help="the syncer's port, kept across its restarts (default 8470)")
     r.add_argument("--advertise-host", help="what learners dial (default: the syncer node's address)")
-    r.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve wss:// with this PEM certificate (needs --tls-key)")
+    r.add_argument(
+        "--tls-cert", type=Path, metavar="FILE", help="serve wss:// with this PEM certificate (needs --tls-key)"
+    )
     r.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
-    r.add_argument("--tls-ca", type=Path, metavar="FILE", help="what learners trust for the syncer's certificate (default: the system's CAs)")
+    r.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="what learners trust for the syncer's certificate (default: the system's CAs)",
+    )
     r.add_argument("--syncer-cpus", type=float, default=1.0, help="CPUs Ray reserves for the syncer (default 1)")
     r.add_argument("--learner-cpus", type=float, default=1.0, help="CPUs Ray reserves per learner (default 1)")
-    r.add_argument("--learner-gpus", type=float, help="GPUs per learner (default: 1 where the cluster has GPUs, else 0)")
-    r.add_argument("--syncer-resources", default="", metavar="K=V,...",
-                   help="custom Ray resources the syncer needs, to pin it to a node (e.g. syncer_node=1)")
+    r.add_argument(
+        "--learner-gpus", type=float, help="GPUs per learner (default: 1 where the cluster has GPUs, else 0)"
+    )
+    r.add_argument(
+        "--syncer-resources",
+        default="",
+        metavar="K=V,...",
+        help="custom Ray resources the syncer needs, to pin it to a node (e.g. syncer_node=1)",
+    )
     r.add_argument("--learner-resources", default="", metavar="K=V,...", help="custom Ray resources each learner needs")
-    r.add_argument("--syncer-max-restarts", type=int, default=10, help="times Ray restarts the syncer (-1: no limit; default 10)")
-    r.add_argument("--learner-max-restarts", type=int, default=10, help="times Ray restarts each learner (-1: no limit; default 10)")
-    r.add_argument("--syncer-args", default="", metavar="'ARGS'",
-                   help="more `ddiloco syncer` arguments as one word, after '=' (e.g. --syncer-args='--fragments 8 --quorum 2')")
-    r.add_argument("--learner-args", default="", metavar="'ARGS'",
-                   help="more `ddiloco learner` arguments as one word, after '=' (e.g. --learner-args='--steps 2000')")
+    r.add_argument(
+        "--syncer-max-restarts", type=int, default=10, help="times Ray restarts the syncer (-1: no limit; default 10)"
+    )
+    r.add_argument(
+        "--learner-max-restarts",
+        type=int,
+        default=10,
+        help="times Ray restarts each learner (-1: no limit; default 10)",
+    )
+    r.add_argument(
+        "--syncer-args",
+        default="",
+        metavar="'ARGS'",
+        help="more `ddiloco syncer` arguments as one word, after '=' (e.g. --syncer-args='--fragments 8 --quorum 2')",
+    )
+    r.add_argument(
+        "--learner-args",
+        default="",
+        metavar="'ARGS'",
+        help="more `ddiloco learner` arguments as one word, after '=' (e.g. --learner-args='--steps 2000')",
+    )
 
 
 def _resources(text: str, what: str) -> dict[str, float]:
@@ -80,15 +124,25 @@ def config_from_args(args: argparse.Namespace):
     from ddiloco.net.auth import read_token_file
 
     return LaunchConfig(
-        learners=args.learners, checkpoint_dir=args.checkpoint_dir.resolve(), log_dir=args.log_dir.resolve(),
-        token=read_token_file(args.token_file), host=args.host, port=args.port, advertise_host=args.advertise_host,
-        tls_cert=_read(args.tls_cert, "the TLS certificate"), tls_key=_read(args.tls_key, "the TLS key"),
+        learners=args.learners,
+        checkpoint_dir=args.checkpoint_dir.resolve(),
+        log_dir=args.log_dir.resolve(),
+        token=read_token_file(args.token_file),
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        tls_cert=_read(args.tls_cert, "the TLS certificate"),
+        tls_key=_read(args.tls_key, "the TLS key"),
         tls_ca=_read(args.tls_ca, "the TLS CA file"),
-        syncer_args=tuple(shlex.split(args.syncer_args)), learner_args=tuple(shlex.split(args.learner_args)),
-        syncer_cpus=args.syncer_cpus, learner_cpus=args.learner_cpus, learner_gpus=args.learner_gpus,
+        syncer_args=tuple(shlex.split(args.syncer_args)),
+        learner_args=tuple(shlex.split(args.learner_args)),
+        syncer_cpus=args.syncer_cpus,
+        learner_cpus=args.learner_cpus,
+        learner_gpus=args.learner_gpus,
         syncer_resources=_resources(args.syncer_resources, "--syncer-resources"),
         learner_resources=_resources(args.learner_resources, "--learner-resources"),
-        syncer_max_restarts=args.syncer_max_restarts, learner_max_restarts=args.learner_max_restarts,
+        syncer_max_restarts=args.syncer_max_restarts,
+        learner_max_restarts=args.learner_max_restarts,
     )
 
 
@@ -96,9 +150,12 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.cli import MissingExtraError
 
     if importlib.util.find_spec("ray") is None:
-        raise MissingExtraError("this subcommand needs ray: install the launch extra, for example `pip install 'ddiloco[launch]'`")
+        raise MissingExtraError(
+            "this subcommand needs ray: install the launch extra, for example `pip install 'ddiloco[launch]'`"
+        )
     config = config_from_args(args)  # bad flags are refused before a cluster starts
     import ray
+
     from ddiloco.launch.process import LaunchError
     from ddiloco.launch.ray import launch
 
@@ -110,8 +167,18 @@ def run(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         print(f"ddiloco launch: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"syncer": job.syncer_url, "status": job.status_url, "learners": config.learners,
-                      "logs": str(config.log_dir), "checkpoints": str(config.checkpoint_dir)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "syncer": job.syncer_url,
+                "status": job.status_url,
+                "learners": config.learners,
+                "logs": str(config.log_dir),
+                "checkpoints": str(config.checkpoint_dir),
+            }
+        ),
+        flush=True,
+    )
     code = 0
     try:
         codes = job.wait()

@@ -14,17 +14,28 @@ from ddiloco.cli import user_input
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--syncer", required=True, help="the syncer's websocket URL, e.g. ws://127.0.0.1:8470/ws")
     p.add_argument("--token-file", type=Path, help="file holding the shared bearer token")
-    p.add_argument("--tls-ca", type=Path, metavar="FILE",
-                   help="with a wss:// syncer: trust only the CA certificate(s) in this PEM file (default: the system's)")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="with a wss:// syncer: trust only the CA certificate(s) in this PEM file (default: the system's)",
+    )
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--shard", default="0/1", help="I/N: this learner's share of the training data")
     p.add_argument("--name", help="learner name in the syncer's status (default: learner-I)")
-    p.add_argument("--steps", type=int, default=200,
-                   help="steps this learner trains (default 200), its own: a learner that joins late, after "
-                        "the others have spent theirs, still trains this many (the syncer's global step, which "
-                        "it continues, does not count against them)")
-    p.add_argument("--schedule-steps", type=int,
-                   help="length of the learning-rate schedule in steps (default: --steps); past it the rate stays at its floor")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="steps this learner trains (default 200), its own: a learner that joins late, after "
+        "the others have spent theirs, still trains this many (the syncer's global step, which "
+        "it continues, does not count against them)",
+    )
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        help="length of the learning-rate schedule in steps (default: --steps); past it the rate stays at its floor",
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
@@ -32,17 +43,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", type=Path, help="append JSON lines of progress here")
     p.add_argument("--cache-dir", type=Path, help="JAX persistent compilation cache")
     p.add_argument("--record", type=Path, metavar="DIR", help="write this learner's tape to DIR (a new directory)")
-    p.add_argument("--restore", type=Path, metavar="FILE",
-                   help="continue from this learner's local state in a consistent snapshot (learner-<id>.ddls)")
+    p.add_argument(
+        "--restore",
+        type=Path,
+        metavar="FILE",
+        help="continue from this learner's local state in a consistent snapshot (learner-<id>.ddls)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.cli import require_learner_extra
 
     require_learner_extra()
-    from ddiloco.reference import data, model
     from ddiloco.demo.learner_process import LearnerConfig, run_learner
     from ddiloco.net.auth import read_token_file
+    from ddiloco.reference import data, model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     shard = data.Shard.parse(args.shard)
@@ -71,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         summary = run_learner(cfg)
-    except (SyncerRefused, TimeoutError, TapeError) as exc:  # wrong URL or token, a layout or protocol refused, --record
+    except (
+        SyncerRefused,
+        TimeoutError,
+        TapeError,
+    ) as exc:  # wrong URL or token, a layout or protocol refused, --record
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary))

@@ -27,15 +27,23 @@ from ddiloco.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("tape_dir", type=Path, metavar="TAPE_DIR",
-                   help="a directory written by `ddiloco syncer --record` (or by `ddiloco demo --record` with --full)")
-    p.add_argument("--full", action="store_true",
-                   help="re-execute the learners of a recorded demo too and reproduce the final merged parameters")
+    p.add_argument(
+        "tape_dir",
+        type=Path,
+        metavar="TAPE_DIR",
+        help="a directory written by `ddiloco syncer --record` (or by `ddiloco demo --record` with --full)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="re-execute the learners of a recorded demo too and reproduce the final merged parameters",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON to PATH")
 
 
 def run(args: argparse.Namespace) -> int:
     import orjson
+
     from ddiloco.core import tape
 
     started = time.perf_counter()
@@ -55,10 +63,15 @@ def run(args: argparse.Namespace) -> int:
 def _result_json(result) -> dict:
     d = result.divergence
     return {
-        "ok": result.ok, "events": result.events, "merges_checked": result.merges_checked,
-        "final_checked": result.final_checked, "state_hash": result.state_hash, "torn": result.torn,
-        "divergence": None if d is None else {"index": d.index, "event": d.event, "what": d.what,
-                                              "expected": d.expected, "got": d.got},
+        "ok": result.ok,
+        "events": result.events,
+        "merges_checked": result.merges_checked,
+        "final_checked": result.final_checked,
+        "state_hash": result.state_hash,
+        "torn": result.torn,
+        "divergence": None
+        if d is None
+        else {"index": d.index, "event": d.event, "what": d.what, "expected": d.expected, "got": d.got},
     }
 
 
@@ -89,24 +102,34 @@ def _syncer_only(args: argparse.Namespace) -> dict:
         return {**_result_json(result), "divergence_text": str(result.divergence)}
     inner = _syncer_tapes_under(args.tape_dir, TAPE_FILE)
     if not inner:
-        raise NotASyncerTape(f"{args.tape_dir} holds no syncer tape ({TAPE_FILE}, itself or in a subfolder): "
-                             "give a directory written by `ddiloco syncer --record DIR`, "
-                             "or `ddiloco demo --record DIR` with --full")
+        raise NotASyncerTape(
+            f"{args.tape_dir} holds no syncer tape ({TAPE_FILE}, itself or in a subfolder): "
+            "give a directory written by `ddiloco syncer --record DIR`, "
+            "or `ddiloco demo --record DIR` with --full"
+        )
     tapes = [(d.name, recording.read(d)) for d in inner]
     if not all(t.header.get("keep_payloads", True) for _, t in tapes):
         # Checked before replaying anything: the answer is the same whichever tape comes first.
-        raise NotASyncerTape(f"{args.tape_dir} is a recorded demo: its syncer tapes keep no payloads (the learners' "
-                             f"tapes make them again), so replay it whole with `ddiloco replay {args.tape_dir} --full`")
+        raise NotASyncerTape(
+            f"{args.tape_dir} is a recorded demo: its syncer tapes keep no payloads (the learners' "
+            f"tapes make them again), so replay it whole with `ddiloco replay {args.tape_dir} --full`"
+        )
     which = "tape in" if len(tapes) == 1 else "tapes in"
-    print(f"{args.tape_dir}: replaying the syncer {which} {', '.join(n + '/' for n, _ in tapes)} "
-          "(--full re-executes the learners too)")
+    print(
+        f"{args.tape_dir}: replaying the syncer {which} {', '.join(n + '/' for n, _ in tapes)} "
+        "(--full re-executes the learners too)"
+    )
     results = []
     for name, tape in tapes:
         results.append((name, replay.replay(tape)))
         _print_syncer(results[-1][1], name)
     diverged = [f"{name}: {r.divergence}" for name, r in results if not r.ok]
-    return {"ok": not diverged, "state_hash": results[-1][1].state_hash,
-            "divergence_text": diverged[0] if diverged else "None", "syncers": {n: _result_json(r) for n, r in results}}
+    return {
+        "ok": not diverged,
+        "state_hash": results[-1][1].state_hash,
+        "divergence_text": diverged[0] if diverged else "None",
+        "syncers": {n: _result_json(r) for n, r in results},
+    }
 
 
 def _syncer_tapes_under(directory: Path, tape_file: str) -> list[Path]:
@@ -134,16 +157,25 @@ def _full(args: argparse.Namespace) -> dict:
     result = full.replay_full(args.tape_dir, cache_dir=args.tape_dir / "jax-cache")
     for r in result.learners:
         end = "final parameters checked" if r.final_checked else "killed: no final parameters to check"
-        print(f"learner {r.name}: {r.calls} calls, {r.pushes} pushes, {r.inits} initial fragments, "
-              f"{r.published} snapshots for peers; {end}" + (f"; DIVERGED: {r.divergence}" if r.divergence else ""))
+        print(
+            f"learner {r.name}: {r.calls} calls, {r.pushes} pushes, {r.inits} initial fragments, "
+            f"{r.published} snapshots for peers; {end}" + (f"; DIVERGED: {r.divergence}" if r.divergence else "")
+        )
     for name in result.never_joined:
         print(f"learner {name}: stopped before the syncer welcomed it; it sent nothing, nothing to re-execute")
     for name, s in result.syncers:
         _print_syncer(s, name)
-    print(f"fragment versions applied by learners, found in the syncer's replay: {result.updates_checked}"
-          + (f" ({result.updates_note})" if result.updates_note else ""))
+    print(
+        f"fragment versions applied by learners, found in the syncer's replay: {result.updates_checked}"
+        + (f" ({result.updates_note})" if result.updates_note else "")
+    )
     return {
-        "ok": result.ok, "full": True, "state_hash": result.state_hash, "divergence_text": result.divergence,
-        "learners": [vars(r) for r in result.learners], "syncers": {n: _result_json(s) for n, s in result.syncers},
-        "updates_checked": result.updates_checked, "never_joined": result.never_joined,
+        "ok": result.ok,
+        "full": True,
+        "state_hash": result.state_hash,
+        "divergence_text": result.divergence,
+        "learners": [vars(r) for r in result.learners],
+        "syncers": {n: _result_json(s) for n, s in result.syncers},
+        "updates_checked": result.updates_checked,
+        "never_joined": result.never_joined,
     }

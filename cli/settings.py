@@ -63,14 +63,28 @@ def add_flags(parser: argparse.ArgumentParser, table: tuple[Setting, ...]) -> No
         default = f" (default {s.default})" if s.default not in (None, False) else ""
         help_text = f"{s.help}{default}; env {s.env}"
         if s.kind is bool:
-            parser.add_argument(f"--{s.flag}", dest=s.key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                f"--{s.flag}", dest=s.key, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(f"--{s.flag}", dest=s.key, type=_flag_parser(s), default=None,
-                                choices=s.choices or None, metavar=s.metavar, help=help_text)
+            parser.add_argument(
+                f"--{s.flag}",
+                dest=s.key,
+                type=_flag_parser(s),
+                default=None,
+                choices=s.choices or None,
+                metavar=s.metavar,
+                help=help_text,
+            )
 
 
-def resolve(table: tuple[Setting, ...], args: argparse.Namespace, environ: Mapping[str, str],
-            config_text: str | None = None, config_path: Path | None = None) -> Resolved:
+def resolve(
+    table: tuple[Setting, ...],
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    config_text: str | None = None,
+    config_path: Path | None = None,
+) -> Resolved:
     """The settings from the flags in `args`, the `DDILOCO_*` variables in `environ` and the TOML text of
     the config file (read by the caller from `config_path`, where it names one); see the module docstring."""
     by_key = {s.key: s for s in table}
@@ -87,7 +101,7 @@ def resolve(table: tuple[Setting, ...], args: argparse.Namespace, environ: Mappi
     for var, raw in sorted(environ.items()):
         if not var.startswith(ENV_PREFIX):
             continue
-        key = var[len(ENV_PREFIX):].lower()
+        key = var[len(ENV_PREFIX) :].lower()
         s = by_key.get(key)
         if s is None:
             raise SettingsError(f"unknown environment variable {var}; known: {sorted(t.env for t in table)}")
@@ -101,8 +115,9 @@ def resolve(table: tuple[Setting, ...], args: argparse.Namespace, environ: Mappi
     return Resolved(values, sources)
 
 
-def config_location(table: tuple[Setting, ...], args: argparse.Namespace, environ: Mapping[str, str],
-                    config_key: str = "config") -> Path | None:
+def config_location(
+    table: tuple[Setting, ...], args: argparse.Namespace, environ: Mapping[str, str], config_key: str = "config"
+) -> Path | None:
     """Where the config file is: its flag, else its variable (the file cannot name itself)."""
     s = next(t for t in table if t.key == config_key)
     given = getattr(args, config_key, None)
@@ -160,7 +175,9 @@ def _file_values(text: str, name: str) -> dict[str, Any]:
         raise SettingsError(f"config file {name} is not valid TOML: {exc}") from exc
     tables = sorted(k for k, v in values.items() if isinstance(v, dict))
     if tables:
-        raise SettingsError(f"config file {name}: the keys are flat (the flags' names), no tables; found table {tables[0]!r}")
+        raise SettingsError(
+            f"config file {name}: the keys are flat (the flags' names), no tables; found table {tables[0]!r}"
+        )
     return values
 
 

@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--scenario", choices=["mixed", "scavenge"], help="mixed hardware or opportunistic compute")
     mode.add_argument("--calibrate", action="store_true", help="rerun the parameter search of docs/simulator.md")
     parser.add_argument("--chips", type=_number, default=1.2e6, help="cluster size in chips (default 1.2e6)")
-    parser.add_argument("--mtbi-chip-years", type=_number, default=1.0, help="mean time between interruptions per chip (default 1)")
+    parser.add_argument(
+        "--mtbi-chip-years", type=_number, default=1.0, help="mean time between interruptions per chip (default 1)"
+    )
     parser.add_argument("--system", choices=["dp", "elastic-dp", "decoupled"], default="decoupled")
     parser.add_argument("--learners", type=int, default=8, help="M, Decoupled DiLoCo only (default 8)")
     parser.add_argument("--quorum", type=int, default=1, help="K, Decoupled DiLoCo only (default 1)")
@@ -61,8 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--scale-down-s", type=_number, help="elastic pause to drop a failed slice")
     cal.add_argument("--scale-up-s", type=_number, help="elastic pause to add repaired slices back")
     cal.add_argument("--join-wait-s", type=_number, help="longest wait of a repaired slice before its own scale-up")
-    parser.add_argument("--extra", type=_number, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 3.0],
-                        help="scavenge: temporary compute as shares of the base (default 0.25 .. 3)")
+    parser.add_argument(
+        "--extra",
+        type=_number,
+        nargs="+",
+        default=[0.25, 0.5, 1.0, 2.0, 3.0],
+        help="scavenge: temporary compute as shares of the base (default 0.25 .. 3)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="draw goodput against cluster size (PNG)")
 
@@ -99,12 +106,18 @@ def _model(args: argparse.Namespace, sim: Any) -> Any:
     base = sim.CALIBRATED
     timings = replace(
         base.timings,
-        **{k: getattr(args, k) for k in ("restart_s", "scale_down_s", "scale_up_s", "join_wait_s") if getattr(args, k) is not None},
+        **{
+            k: getattr(args, k)
+            for k in ("restart_s", "scale_down_s", "scale_up_s", "join_wait_s")
+            if getattr(args, k) is not None
+        },
     )
     repair = base.repair
     if args.repair is not None or args.repair_mean_s is not None:
         repair = sim.RepairTime(
-            args.repair or repair.kind, args.repair_mean_s if args.repair_mean_s is not None else repair.mean_s, args.repair_cv
+            args.repair or repair.kind,
+            args.repair_mean_s if args.repair_mean_s is not None else repair.mean_s,
+            args.repair_cv,
         )
     slice_chips = args.slice_chips if args.slice_chips is not None else base.slice_chips
     return sim.Calibration(slice_chips, repair, timings)
@@ -122,14 +135,22 @@ def _single(args: argparse.Namespace, sim: Any, model: Any, seeds: list[int]) ->
     system = sim.SystemConfig.of(args.system, args.learners, args.quorum, args.speed_sigma)
     cluster = sim.ClusterConfig(args.chips, args.mtbi_chip_years, model.slice_chips, model.repair)
     run_cfg = sim.RunConfig(days=args.days)
-    print(f"config: system={system.label} chips={args.chips:g} mtbi_chip_years={args.mtbi_chip_years:g} "
-          f"days={args.days:g} seeds={len(seeds)} speed_sigma={args.speed_sigma:g} {_describe(model)}")
+    print(
+        f"config: system={system.label} chips={args.chips:g} mtbi_chip_years={args.mtbi_chip_years:g} "
+        f"days={args.days:g} seeds={len(seeds)} speed_sigma={args.speed_sigma:g} {_describe(model)}"
+    )
     cell = sim.run_cell(cluster, system, model.timings, run_cfg, seeds)
     every = cluster.failure_rate_per_s
     print(f"a failure every {1 / every:.3g} s" if every > 0 else "no failures (infinite MTBI)")
-    print(f"goodput {cell.goodput:.1%} +- {cell.goodput_std:.1%}   uptime {cell.uptime:.1%} +- {cell.uptime_std:.1%}", end="")
+    print(
+        f"goodput {cell.goodput:.1%} +- {cell.goodput_std:.1%}   uptime {cell.uptime:.1%} +- {cell.uptime_std:.1%}",
+        end="",
+    )
     if system.system is sim.System.DECOUPLED:
-        print(f"   steps merged with fewer than M learners {cell.partial_share:.1%} +- {cell.partial_share_std:.1%}", end="")
+        print(
+            f"   steps merged with fewer than M learners {cell.partial_share:.1%} +- {cell.partial_share_std:.1%}",
+            end="",
+        )
     print("" if cell.paper is None else f"   (paper {cell.paper:.0%})")
     _write(args.json, [_cell_record(cell)])
     if args.plot:
@@ -176,7 +197,10 @@ def _print_table(cells: list[Any]) -> None:
     if errors:
         within = sum(e <= 0.03 for e in errors)
         print(f"largest |diff| {max(errors) * 100:.1f} points; {within}/{len(errors)} cells within 3 points")
-    print("uptime:   " + "  ".join(f"{c.system.label} @{_chips(c.chips)} {c.uptime:.1%}" for c in cells if c.chips == sizes[-1]))
+    print(
+        "uptime:   "
+        + "  ".join(f"{c.system.label} @{_chips(c.chips)} {c.uptime:.1%}" for c in cells if c.chips == sizes[-1])
+    )
 
 
 def _chips(n: float) -> str:
@@ -194,8 +218,13 @@ def _mixed(args: argparse.Namespace, sim: Any) -> int:
     print(f"{'policy':<12}{'goodput':>9}{'paper':>7}{'learners merged per round':>28}")
     for r in results:
         print(f"{r.policy:<12}{r.goodput:>9.1%}{MIXED_GOODPUT[r.policy]:>7.0%}{r.merged_share:>28.1%}")
-    _write(args.json, [{"policy": r.policy, "goodput": r.goodput, "merged_share": r.merged_share,
-                        "paper": MIXED_GOODPUT[r.policy]} for r in results])
+    _write(
+        args.json,
+        [
+            {"policy": r.policy, "goodput": r.goodput, "merged_share": r.merged_share, "paper": MIXED_GOODPUT[r.policy]}
+            for r in results
+        ],
+    )
     return 0
 
 
@@ -203,8 +232,10 @@ def _scavenge(args: argparse.Namespace, sim: Any, model: Any) -> int:
     from ddiloco.sim.paper import SCAVENGE_EXTRA, SCAVENGE_WALL_DECOUPLED, SCAVENGE_WALL_DP
 
     paper = {e: (d, p) for e, d, p in zip(SCAVENGE_EXTRA, SCAVENGE_WALL_DECOUPLED, SCAVENGE_WALL_DP)}
-    configs = [sim.ScavengeConfig(extra=e, scale_down_s=model.timings.scale_down_s, scale_up_s=model.timings.scale_up_s)
-               for e in args.extra]
+    configs = [
+        sim.ScavengeConfig(extra=e, scale_down_s=model.timings.scale_down_s, scale_up_s=model.timings.scale_up_s)
+        for e in args.extra
+    ]
     print(f"config: {configs[0]} (extra varies)")
     print(f"{'extra':>7}{'wall decoupled':>16}{'paper':>7}{'wall DP':>10}{'paper':>7}")
     records = []
@@ -212,8 +243,15 @@ def _scavenge(args: argparse.Namespace, sim: Any, model: Any) -> int:
         r = sim.scavenge(cfg)
         pd, pp = paper.get(cfg.extra, (None, None))
         print(f"{cfg.extra:>+7.0%}{r.wall_decoupled:>15.2f}x{_opt(pd):>7}{r.wall_dp:>9.2f}x{_opt(pp):>7}")
-        records.append({"extra": cfg.extra, "wall_decoupled": r.wall_decoupled, "wall_dp": r.wall_dp,
-                        "paper_decoupled": pd, "paper_dp": pp})
+        records.append(
+            {
+                "extra": cfg.extra,
+                "wall_decoupled": r.wall_decoupled,
+                "wall_dp": r.wall_dp,
+                "paper_decoupled": pd,
+                "paper_dp": pp,
+            }
+        )
     _write(args.json, records)
     return 0
 
@@ -253,8 +291,14 @@ def _plot(path: Path, cells: list[Any], *, with_paper: bool) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in dict.fromkeys(c.system.label for c in cells):
         row = sorted((c for c in cells if c.system.label == label), key=lambda c: c.chips)
-        line = ax.errorbar([c.chips for c in row], [c.goodput * 100 for c in row],
-                           yerr=[c.goodput_std * 100 for c in row], marker="o", capsize=3, label=label)
+        line = ax.errorbar(
+            [c.chips for c in row],
+            [c.goodput * 100 for c in row],
+            yerr=[c.goodput_std * 100 for c in row],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
         if with_paper:
             paper = [(c.chips, c.paper * 100) for c in row if c.paper is not None]
             ax.plot(*zip(*paper), linestyle="none", marker="x", color=line[0].get_color())

@@ -16,9 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ddiloco.net import tls
-
 from ddiloco.errors import FaultError, UserError
+from ddiloco.net import tls
 
 __all__ = ["add_arguments", "render", "run"]
 
@@ -31,8 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="the syncer's HTTP address, e.g. http://127.0.0.1:8470")
     p.add_argument("--json", action="store_true", help="print the raw /status JSON instead of the summary")
     p.add_argument("--timeout-s", type=float, default=5.0)
-    p.add_argument("--tls-ca", type=Path, metavar="FILE",
-                   help="with an https:// URL: trust only the CA certificate(s) in this PEM file (default: the system's)")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="with an https:// URL: trust only the CA certificate(s) in this PEM file (default: the system's)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,13 +52,18 @@ def run(args: argparse.Namespace) -> int:
         reason = getattr(exc, "reason", exc)
         if tls.is_certificate_error(reason if isinstance(reason, BaseException) else exc):
             trust = f"the CA in {args.tls_ca}" if args.tls_ca else "the system's CAs (give --tls-ca FILE)"
-            raise FaultError(f"the certificate of {url} is not trusted by {trust}: {reason}",
-                             what_to_do="give the CA that signed the syncer's certificate with --tls-ca FILE") from exc
-        raise FaultError(f"cannot reach {url}: {reason}",
-                         what_to_do="check that the syncer runs and listens at that address") from exc
+            raise FaultError(
+                f"the certificate of {url} is not trusted by {trust}: {reason}",
+                what_to_do="give the CA that signed the syncer's certificate with --tls-ca FILE",
+            ) from exc
+        raise FaultError(
+            f"cannot reach {url}: {reason}", what_to_do="check that the syncer runs and listens at that address"
+        ) from exc
     except ValueError as exc:  # (json's error is a ValueError) something answered, not a syncer
-        raise FaultError(f"{url}/status did not answer JSON: {exc}",
-                         what_to_do="check that the address is a ddiloco syncer's HTTP port") from exc
+        raise FaultError(
+            f"{url}/status did not answer JSON: {exc}",
+            what_to_do="check that the address is a ddiloco syncer's HTTP port",
+        ) from exc
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -81,9 +89,18 @@ def render(doc: dict, url: str) -> str:
     for lr in learners:
         pushed = lr.get("pushed_tokens", {})
         total = sum(pushed.get(f, 0) for f in PUSHED_FATES)
-        rows.append([str(lr["id"]), _name(lr["name"]), lr["status"], str(lr["step"]),
-                     str(lr.get("versions_behind", "?")), f"{lr['last_seen_s_ago']:.1f} s ago",
-                     _share(pushed.get("merged", 0), total), _share(pushed.get("late", 0), total)])
+        rows.append(
+            [
+                str(lr["id"]),
+                _name(lr["name"]),
+                lr["status"],
+                str(lr["step"]),
+                str(lr.get("versions_behind", "?")),
+                f"{lr['last_seen_s_ago']:.1f} s ago",
+                _share(pushed.get("merged", 0), total),
+                _share(pushed.get("late", 0), total),
+            ]
+        )
     out.extend(_table(rows))
 
     out.append(f"\nfragments: {len(doc['fragments'])}")
@@ -91,10 +108,16 @@ def render(doc: dict, url: str) -> str:
     for f in doc["fragments"]:
         ago = f.get("last_merge_s_ago")
         grace = f.get("last_round_grace_s")
-        rows.append([str(f["index"]), str(f["version"]), "never" if ago is None else f"{ago:.1f} s ago",
-                     "-" if f.get("last_round_learners") is None else str(f["last_round_learners"]),
-                     "-" if grace is None else f"{grace * 1000:.0f} ms",
-                     "-" if f["round_open"] is None else str(f["round_open"])])
+        rows.append(
+            [
+                str(f["index"]),
+                str(f["version"]),
+                "never" if ago is None else f"{ago:.1f} s ago",
+                "-" if f.get("last_round_learners") is None else str(f["last_round_learners"]),
+                "-" if grace is None else f"{grace * 1000:.0f} ms",
+                "-" if f["round_open"] is None else str(f["round_open"]),
+            ]
+        )
     out.extend(_table(rows))
 
     decisions = doc["decisions"][-DECISIONS_PRINTED:][::-1]
@@ -115,8 +138,11 @@ def render(doc: dict, url: str) -> str:
 def _checkpoint(ck: dict | None) -> str:
     if ck is None:
         return "off (no checkpoint directory)"
-    written = "none written yet" if ck.get("written") is None else (
-        f"last written {_duration(ck['age_s'])} ago ({_text(ck['written'])}, {ck['merges']} merges)")
+    written = (
+        "none written yet"
+        if ck.get("written") is None
+        else (f"last written {_duration(ck['age_s'])} ago ({_text(ck['written'])}, {ck['merges']} merges)")
+    )
     if ck.get("ok", True):
         return f"ok, {written}"
     failed = ck["failures_since_written"]

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Self
 
 import orjson
+
 from ddiloco.cli import user_input
-from ddiloco.errors import UserError
 from ddiloco.cli.settings import (
     Resolved,
     Setting,
@@ -28,27 +28,47 @@ from ddiloco.cli.settings import (
     read_config_text,
     resolve,
 )
+from ddiloco.errors import UserError
 
 _CODECS = ("fp32", "bf16")
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("config", Path, "TOML file whose keys are these flags' names with underscores (auth_token_file = ...)",
-            in_file=False, metavar="FILE"),
+    Setting(
+        "config",
+        Path,
+        "TOML file whose keys are these flags' names with underscores (auth_token_file = ...)",
+        in_file=False,
+        metavar="FILE",
+    ),
     Setting("host", str, "address to listen on", default="127.0.0.1"),
     Setting("port", int, "port (0 picks a free one)", default=8470, bounds=(0, 65535)),
     Setting("auth-token-file", Path, "file holding the shared bearer token (mode 0600)", metavar="FILE"),
-    Setting("allow-shared-token", bool, "accept a token file that group or others may read (with a warning)", default=False),
-    Setting("tls-cert", Path, "PEM certificate (chain) to serve https:// and wss:// with; needs tls-key", metavar="FILE"),
+    Setting(
+        "allow-shared-token", bool, "accept a token file that group or others may read (with a warning)", default=False
+    ),
+    Setting(
+        "tls-cert", Path, "PEM certificate (chain) to serve https:// and wss:// with; needs tls-key", metavar="FILE"
+    ),
     Setting("tls-key", Path, "PEM private key of tls-cert (keep it mode 0600)", metavar="FILE"),
     Setting("insecure-no-auth", bool, "serve without a token on an address other machines can reach", default=False),
     Setting("checkpoint-dir", Path, "where checkpoints are written", metavar="DIR"),
     Setting("init", Path, "initial parameters (a checkpoint file written by the learner side)", metavar="FILE"),
     Setting("resume", Path, "continue from the newest valid checkpoint in this directory", metavar="DIR"),
-    Setting("overwrite", bool, "start a new run in a checkpoint-dir that holds another run's checkpoints "
-            "(they are deleted once the new run's first checkpoint is written)", default=False),
+    Setting(
+        "overwrite",
+        bool,
+        "start a new run in a checkpoint-dir that holds another run's checkpoints "
+        "(they are deleted once the new run's first checkpoint is written)",
+        default=False,
+    ),
     Setting("fragments", int, "P, number of fragments (default 4)"),
     Setting("period", int, "H, steps between two syncs of one fragment (default 4)"),
-    Setting("strategy", str, "how tensors are grouped into fragments (default balanced)", choices=("layer", "tensor", "balanced")),
+    Setting(
+        "strategy",
+        str,
+        "how tensors are grouped into fragments (default balanced)",
+        choices=("layer", "tensor", "balanced"),
+    ),
     Setting("block", int, "values per int4 scale (default 128)"),
     Setting("quorum", int, "K, minimum learners per merge (default 1)"),
     Setting("grace-max-ms", float, "cap of the adaptive grace window (default 1000)"),
@@ -59,28 +79,63 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("merge", str, "how pushed outer gradients are merged (default rda)", choices=("rda", "mean")),
     Setting("broadcast-codec", str, "codec of the merged fragments sent to learners (default fp32)", choices=_CODECS),
     Setting("learners-max", int, "learners connected at once (default 256)"),
-    Setting("checkpoint-every-merges", int, "also write a checkpoint every this many merges (default 0: never by count)"),
+    Setting(
+        "checkpoint-every-merges", int, "also write a checkpoint every this many merges (default 0: never by count)"
+    ),
     Setting("checkpoint-every-s", float, "write a checkpoint every this many seconds (default 300; 0: never by time)"),
     Setting("log-level", str, "log level", default="info", choices=("debug", "info", "warning")),
-    Setting("record", Path, "write the event tape of this run into DIR (a new directory; `ddiloco replay DIR` checks it)",
-            metavar="DIR"),
-    Setting("record-no-payloads", bool, "with --record: keep only the hashes of pushed payloads "
-            "(a smaller tape that cannot be replayed)", default=False),
-    Setting("snapshot-dir", Path, "where consistent snapshots (syncer + learners + messages in flight) go; "
-            "taken by POST /snapshot or `ddiloco snapshot URL`", metavar="DIR"),
-    Setting("snapshot-every-s", float, "also take a snapshot every this many seconds (0: never)", default=0.0,
-            bounds=(0.0, 1e9)),
-    Setting("snapshot-wait-s", float, "how long a snapshot waits for the learners' local states", default=120.0,
-            bounds=(0.0, 1e9)),
+    Setting(
+        "record",
+        Path,
+        "write the event tape of this run into DIR (a new directory; `ddiloco replay DIR` checks it)",
+        metavar="DIR",
+    ),
+    Setting(
+        "record-no-payloads",
+        bool,
+        "with --record: keep only the hashes of pushed payloads (a smaller tape that cannot be replayed)",
+        default=False,
+    ),
+    Setting(
+        "snapshot-dir",
+        Path,
+        "where consistent snapshots (syncer + learners + messages in flight) go; "
+        "taken by POST /snapshot or `ddiloco snapshot URL`",
+        metavar="DIR",
+    ),
+    Setting(
+        "snapshot-every-s",
+        float,
+        "also take a snapshot every this many seconds (0: never)",
+        default=0.0,
+        bounds=(0.0, 1e9),
+    ),
+    Setting(
+        "snapshot-wait-s",
+        float,
+        "how long a snapshot waits for the learners' local states",
+        default=120.0,
+        bounds=(0.0, 1e9),
+    ),
 )
 
 # setting -> where it goes in the core's SyncerConfig (core.config.from_mapping; "table.key" is nested)
 CORE_KEYS = {
-    "fragments": "num_fragments", "period": "period", "strategy": "strategy", "block": "block", "quorum": "quorum",
-    "merge": "merge", "broadcast_codec": "broadcast_codec", "learners_max": "learners_max",
-    "checkpoint_every_merges": "checkpoint_every_merges", "checkpoint_every_s": "checkpoint_every_s",
-    "outer_lr": "outer.lr", "outer_momentum": "outer.momentum",
-    "grace_max_ms": "grace.grace_ms_max", "grace_gamma": "grace.gamma", "overlap": "grace.overlap",
+    "fragments": "num_fragments",
+    "period": "period",
+    "strategy": "strategy",
+    "block": "block",
+    "quorum": "quorum",
+    "merge": "merge",
+    "broadcast_codec": "broadcast_codec",
+    "learners_max": "learners_max",
+    "checkpoint_every_merges": "checkpoint_every_merges",
+    "checkpoint_every_s": "checkpoint_every_s",
+    "outer_lr": "outer.lr",
+    "outer_momentum": "outer.momentum",
+    "grace_max_ms": "grace.grace_ms_max",
+    "grace_gamma": "grace.gamma",
+    "overlap": "grace.overlap",
 }
 
 
@@ -158,15 +213,23 @@ def run(args: argparse.Namespace) -> int:
             config = state.config
             ignored = sorted(key for key in CORE_KEYS if key in settings.sources)
             if ignored:
-                log.warning("resuming keeps the checkpoint's configuration: %s not applied",
-                            ", ".join(f"{key} {settings.sources[key]}" for key in ignored))
+                log.warning(
+                    "resuming keeps the checkpoint's configuration: %s not applied",
+                    ", ".join(f"{key} {settings.sources[key]}" for key in ignored),
+                )
         else:
             config = core_config(settings)
             state = None
-        token = read_token_file(v["auth_token_file"], allow_shared=v["allow_shared_token"]) if v["auth_token_file"] else None
+        token = (
+            read_token_file(v["auth_token_file"], allow_shared=v["allow_shared_token"])
+            if v["auth_token_file"]
+            else None
+        )
         check_exposure(v["host"], token, v["insecure_no_auth"])
         _check_tls(v)
-    logging.basicConfig(level=v["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=v["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     log.info("config %s", orjson.dumps(effective(settings, config, resumed_from)).decode())
     held.replay()
     if state is not None:
@@ -186,10 +249,17 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no auth token: any peer that reaches %s:%d may join", v["host"], v["port"])
     with user_input():  # ServerConfig checks the values the settings gave
         server_config = server.ServerConfig(
-            host=v["host"], port=v["port"], auth_token=token, checkpoint_dir=v["checkpoint_dir"] or v["resume"],
-            snapshot_dir=v["snapshot_dir"], snapshot_every_s=v["snapshot_every_s"], snapshot_wait_s_max=v["snapshot_wait_s"],
-            run_id=store.run_of(resumed_from) if resumed_from is not None else None, checkpoint_overwrite=v["overwrite"],
-            tls_cert=v["tls_cert"], tls_key=v["tls_key"],
+            host=v["host"],
+            port=v["port"],
+            auth_token=token,
+            checkpoint_dir=v["checkpoint_dir"] or v["resume"],
+            snapshot_dir=v["snapshot_dir"],
+            snapshot_every_s=v["snapshot_every_s"],
+            snapshot_wait_s_max=v["snapshot_wait_s"],
+            run_id=store.run_of(resumed_from) if resumed_from is not None else None,
+            checkpoint_overwrite=v["overwrite"],
+            tls_cert=v["tls_cert"],
+            tls_key=v["tls_key"],
         )
     try:
         daemon = server.SyncerServer(state, server_config)
@@ -262,5 +332,7 @@ def _open_tape(v: dict[str, Any], state, log: logging.Logger):
         writer = recording.TapeWriter.create(v["record"], state, source, options)
     except tapes.TapeError as exc:
         raise UserError(str(exc)) from exc
-    log.info("recording the event tape in %s (payloads %s)", v["record"], "kept" if options.keep_payloads else "hashed only")
+    log.info(
+        "recording the event tape in %s (payloads %s)", v["record"], "kept" if options.keep_payloads else "hashed only"
+    )
     return writer

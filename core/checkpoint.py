@@ -38,6 +38,7 @@ import numpy as np
 import orjson
 import safetensors
 import safetensors.numpy
+
 from ddiloco.core.config import from_mapping
 from ddiloco.core.grace import Timing
 from ddiloco.core.layout import layout_from_description
@@ -73,8 +74,14 @@ def to_chunks(state: SyncerState, run: str = "") -> list[bytes | memoryview]:
         arrays += [(f"theta/{p}", frag.theta), (f"momentum/{p}", frag.momentum.buf)]
     hashes = {name: hashlib.sha256(memoryview(arr)).hexdigest() for name, arr in arrays}
     manifest = orjson.dumps({**_manifest(state), "run": run, "arrays": hashes})
-    header: dict = {"__metadata__": {"format": CONTAINER, "version": str(FORMAT), "manifest": manifest.decode(),
-                                     "sha256": hashlib.sha256(manifest).hexdigest()}}
+    header: dict = {
+        "__metadata__": {
+            "format": CONTAINER,
+            "version": str(FORMAT),
+            "manifest": manifest.decode(),
+            "sha256": hashlib.sha256(manifest).hexdigest(),
+        }
+    }
     offset = 0
     for name, arr in arrays:
         assert arr.dtype == np.float32 and arr.ndim == 1, f"{name} is {arr.dtype} of {arr.ndim} dimensions"
@@ -141,7 +148,9 @@ def _metadata(view: memoryview) -> dict:
         raise CheckpointError(f"not a ddiloco checkpoint: the header is not JSON ({exc})") from exc
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != CONTAINER:
-        raise CheckpointError(f"not a ddiloco checkpoint: a safetensors file without format {CONTAINER!r} in its metadata")
+        raise CheckpointError(
+            f"not a ddiloco checkpoint: a safetensors file without format {CONTAINER!r} in its metadata"
+        )
     if meta.get("version") != str(FORMAT):
         raise CheckpointError(f"checkpoint format {meta.get('version')!r}; this version reads formats {FORMAT} and 1")
     if not isinstance(meta.get("manifest"), str) or not isinstance(meta.get("sha256"), str):

@@ -12,6 +12,7 @@ import zlib
 
 try:
     from isal.isal_zlib import crc32 as _crc32
+
     IMPLEMENTATION = "isal"
 except ImportError:  # a platform without isal wheels: same values, slower
     _crc32 = zlib.crc32

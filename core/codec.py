@@ -136,14 +136,16 @@ class Encoded:
             return kernels.segment_sumsq_int4(self.data, self.scales, offsets, self.block, parallel=parallel)
         return kernels.segment_sumsq(self.decode(parallel=parallel), offsets, parallel=parallel)
 
-    def rda_accumulate_into(self, acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray, *,
-                            parallel: bool = True) -> None:
+    def rda_accumulate_into(
+        self, acc: np.ndarray, weight: float, offsets: np.ndarray, norms: np.ndarray, *, parallel: bool = True
+    ) -> None:
         """acc[seg] += weight * x[seg] / norms[seg] (nothing where the norm is 0)."""
         if self.codec is Codec.FP32:
             kernels.rda_accumulate(acc, weight, self.data, offsets, norms, parallel=parallel)
         elif self.codec is Codec.INT4:
-            kernels.rda_accumulate_int4(acc, weight, self.data, self.scales, offsets, norms, self.block,
-                                        parallel=parallel)
+            kernels.rda_accumulate_int4(
+                acc, weight, self.data, self.scales, offsets, norms, self.block, parallel=parallel
+            )
         else:
             kernels.rda_accumulate(acc, weight, self.decode(parallel=parallel), offsets, norms, parallel=parallel)
 
@@ -249,7 +251,11 @@ def feedback_init(elements: int) -> FeedbackState:
 
 
 def encode_with_feedback(
-    x: np.ndarray, state: FeedbackState, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT, *,
+    x: np.ndarray,
+    state: FeedbackState,
+    codec: Codec | str,
+    block: int = kernels.BLOCK_DEFAULT,
+    *,
     parallel: bool = True,
 ) -> tuple[bytes, FeedbackState]:
     """Encode x + residual; the new residual is what that encoding lost."""
@@ -262,8 +268,13 @@ def encode_with_feedback(
 
 
 def encode_delta(
-    base: np.ndarray, theta: np.ndarray, state: FeedbackState | None, codec: Codec | str,
-    block: int = kernels.BLOCK_DEFAULT, *, parallel: bool = True,
+    base: np.ndarray,
+    theta: np.ndarray,
+    state: FeedbackState | None,
+    codec: Codec | str,
+    block: int = kernels.BLOCK_DEFAULT,
+    *,
+    parallel: bool = True,
 ) -> tuple[bytes, FeedbackState | None]:
     """A learner's outer gradient base - theta encoded, with error feedback when `state` is given: the
     same bytes and residual as `encode_with_feedback(base - theta, state, ...)` (or `encode`), and for

@@ -12,8 +12,8 @@ import enum
 import hashlib
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 import orjson
@@ -74,7 +74,9 @@ class TensorSpec:
         try:
             shape = tuple(self.shape)
         except TypeError:
-            raise LayoutError(f"tensor {self.path!r}: shape must be a sequence of integers, got {self.shape!r}") from None
+            raise LayoutError(
+                f"tensor {self.path!r}: shape must be a sequence of integers, got {self.shape!r}"
+            ) from None
         if any((not isinstance(d, (int, np.integer))) or isinstance(d, bool) or d < 0 for d in shape):
             raise LayoutError(f"tensor {self.path!r}: shape must be non-negative integers, got {self.shape!r}")
         if len(shape) > DIMS_MAX or any(d > FRAGMENT_ELEMENTS_MAX for d in shape):

@@ -20,8 +20,9 @@ and one more scales per tensor and takes the step. `merge` materialises the same
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -112,8 +113,9 @@ class MergedGradient:
             return
         fused = _fused_codec(self.payloads, self.size)
         if fused is Codec.INT4:
-            kernels.round_mean_step_int4(theta, buf, _weights(self), *_int4_lists(self.payloads), lr, mu,
-                                         self.payloads[0].block)
+            kernels.round_mean_step_int4(
+                theta, buf, _weights(self), *_int4_lists(self.payloads), lr, mu, self.payloads[0].block
+            )
         elif fused is Codec.FP32:
             kernels.round_mean_step(theta, buf, _weights(self), [p.data for p in self.payloads], lr, mu)
         else:
@@ -171,8 +173,9 @@ def merge(
     return merged.values(), info
 
 
-def _rda(parts: list[Contribution], weights: list[float], fragment: FragmentSpec
-         ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+def _rda(
+    parts: list[Contribution], weights: list[float], fragment: FragmentSpec
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """(the weighted sum of unit vectors, the per-tensor factors that scale it to the RDA merge, the
     tensors that fell back to the mean). Three passes: the norms of every contribution (reading codes
     only), every unit vector accumulated (fused into one pass when the codecs allow), the norms of the
@@ -214,8 +217,9 @@ def _rda(parts: list[Contribution], weights: list[float], fragment: FragmentSpec
     return acc, factors, tuple(fragment.segments[i].tensor.path for i in fallback)
 
 
-def _segment_means(parts: list[Contribution], weights: list[float], offsets: np.ndarray, segments: list[int],
-                   acc: np.ndarray) -> None:
+def _segment_means(
+    parts: list[Contribution], weights: list[float], offsets: np.ndarray, segments: list[int], acc: np.ndarray
+) -> None:
     """The fall-back: plain weighted mean of the given tensors into `acc`, decoding each
     contribution once for all of them (a fragment whose outer gradients are all zero, say frozen
     tensors, falls back on every tensor)."""

@@ -48,7 +48,11 @@ def init(theta: np.ndarray) -> NesterovState:
 
 
 def update(
-    state: NesterovState, theta: np.ndarray, delta: np.ndarray | MergedGradient, config: OuterConfig, *,
+    state: NesterovState,
+    theta: np.ndarray,
+    delta: np.ndarray | MergedGradient,
+    config: OuterConfig,
+    *,
     donate: bool = False,
 ) -> tuple[np.ndarray, NesterovState]:
     """(new Theta, new state) after one outer step with merged outer gradient `delta`: an array, or a

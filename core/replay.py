@@ -82,7 +82,9 @@ def replay(tape: tapes.Tape) -> ReplayResult:
         if tape.close["events"] != events:
             diverged = Divergence(events, "close", "events on the tape", str(tape.close["events"]), str(events))
         elif tape.close["state_hash"] != final_hash:
-            diverged = Divergence(events - 1, "after the last event", "final state hash", tape.close["state_hash"], final_hash)
+            diverged = Divergence(
+                events - 1, "after the last event", "final state hash", tape.close["state_hash"], final_hash
+            )
     return ReplayResult(events, merges, final_checked, final_hash, diverged, tape.torn)
 
 
@@ -137,14 +139,26 @@ def _match_check(record: dict, checks: deque, event: dict | None) -> Divergence 
     text = describe(event) if event else "before any event"
     index = event["i"] if event else -1
     if not checks:
-        return Divergence(index, text, f"merge of fragment {record['fragment']}", f"version {record['version']}", "no merge")
+        return Divergence(
+            index, text, f"merge of fragment {record['fragment']}", f"version {record['version']}", "no merge"
+        )
     got = checks.popleft()
     if (got["fragment"], got["version"]) != (record["fragment"], record["version"]):
-        return Divergence(index, text, "merge", f"fragment {record['fragment']} version {record['version']}",
-                          f"fragment {got['fragment']} version {got['version']}")
+        return Divergence(
+            index,
+            text,
+            "merge",
+            f"fragment {record['fragment']} version {record['version']}",
+            f"fragment {got['fragment']} version {got['version']}",
+        )
     if got["sha256"] != record["sha256"]:
-        return Divergence(index, text, f"values of fragment {record['fragment']} version {record['version']}",
-                          record["sha256"], got["sha256"])
+        return Divergence(
+            index,
+            text,
+            f"values of fragment {record['fragment']} version {record['version']}",
+            record["sha256"],
+            got["sha256"],
+        )
     return None
 
 
@@ -152,4 +166,6 @@ def _unrecorded_merge(checks: deque, event: dict | None) -> Divergence | None:
     if not checks:
         return None
     got = checks[0]
-    return Divergence(event["i"], describe(event), f"merge of fragment {got['fragment']}", "no merge", f"version {got['version']}")
+    return Divergence(
+        event["i"], describe(event), f"merge of fragment {got['fragment']}", "no merge", f"version {got['version']}"
+    )

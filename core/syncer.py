@@ -150,7 +150,9 @@ class SyncerState:
         return [r for _, r in sorted(self.learners.items()) if r.status is not LearnerStatus.GONE]
 
 
-def new_state(config: SyncerConfig, layout: Layout | None = None, params: list[np.ndarray] | None = None) -> SyncerState:
+def new_state(
+    config: SyncerConfig, layout: Layout | None = None, params: list[np.ndarray] | None = None
+) -> SyncerState:
     """A syncer holding `params` (one float32[padded] per fragment of `layout`; the state takes
     ownership of writable contiguous arrays and updates them in place), or nothing yet: then
     the first learner's hello decides the layout and that learner is asked for the initial values."""
@@ -199,8 +201,10 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
         # The one layout error a user meets by configuration alone (the README's --fragments 8 and a
         # small model): say which setting to change, on both sides. Refused rather than adapted: P
         # is fixed for the run (schedule, checkpoints, every other learner), docs/learner.md.
-        text = (f"the syncer splits the model into {exc.fragments} fragments but it has {exc.parts} {exc.unit}: "
-                f"start the syncer with --fragments {exc.parts} or fewer")
+        text = (
+            f"the syncer splits the model into {exc.fragments} fragments but it has {exc.parts} {exc.unit}: "
+            f"start the syncer with --fragments {exc.parts} or fewer"
+        )
         _refuse_join(ev, "bad_layout", text, "bad layout", out)
         return
     except LayoutError as exc:
@@ -223,7 +227,11 @@ def _on_join(state: SyncerState, ev: Join, now: float, out: list[Effect]) -> Non
     )
     if needs_init:
         rec.status = LearnerStatus.INITIALIZING
-        out.append(Log("info", f"learner {learner} ({ev.name}) joined; the syncer holds no parameters, asking it for version 0"))
+        out.append(
+            Log(
+                "info", f"learner {learner} ({ev.name}) joined; the syncer holds no parameters, asking it for version 0"
+            )
+        )
     else:
         rec.status = LearnerStatus.RECOVERING if state.holds_parameters else LearnerStatus.JOINING
         out.append(Log("info", f"learner {learner} ({ev.name}) joined as {rec.status.value}"))
@@ -241,11 +249,26 @@ def _refuse_join(ev: Join, code: str, text: str, reason: str, out: list[Effect])
     out.append(Drop(None, ev.conn, reason))
 
 
-def _welcome(state: SyncerState, conn: int, learner: int, needs_init: bool,
-             peers: tuple[tuple[int, str, tuple[int, ...]], ...] = ()) -> SendWelcome:
+def _welcome(
+    state: SyncerState,
+    conn: int,
+    learner: int,
+    needs_init: bool,
+    peers: tuple[tuple[int, str, tuple[int, ...]], ...] = (),
+) -> SendWelcome:
     """The syncer's layout, versions, global step and round schedule, for one learner."""
-    return SendWelcome(conn, learner, state.layout.describe(), state.layout.digest, _versions(state), state.global_step,
-                       needs_init, peers, state.schedule.period, state.schedule.offsets)
+    return SendWelcome(
+        conn,
+        learner,
+        state.layout.describe(),
+        state.layout.digest,
+        _versions(state),
+        state.global_step,
+        needs_init,
+        peers,
+        state.schedule.period,
+        state.schedule.offsets,
+    )
 
 
 def _peers(state: SyncerState) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
@@ -265,7 +288,9 @@ def _on_init(state: SyncerState, ev: InitFragment, now: float, out: list[Effect]
         _reject(state, ev.learner, Rejection("not_live", "initial parameters were not asked of this learner"), out)
         return
     try:
-        values = _checked_params(state.layout, ev.fragment, ev.payload.decode() if ev.payload.codec is codecs.Codec.FP32 else None)
+        values = _checked_params(
+            state.layout, ev.fragment, ev.payload.decode() if ev.payload.codec is codecs.Codec.FP32 else None
+        )
     except ValueError as exc:
         _reject(state, ev.learner, Rejection("bad_shape", f"initial fragment {ev.fragment}: {exc}"), out)
         return
@@ -318,11 +343,17 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
         return  # a message still in flight from a learner already gone
     num = state.config.num_fragments
     if not (len(ev.versions) == len(ev.steps) == len(ev.tokens) == num) or ev.step < 0:
-        _reject(state, ev.learner, Rejection("bad_counters", f"progress must carry {num} versions, steps and tokens"), out)
+        _reject(
+            state, ev.learner, Rejection("bad_counters", f"progress must carry {num} versions, steps and tokens"), out
+        )
         return
     if any(not _counters_valid(s, t) for s, t in zip(ev.steps, ev.tokens)):
-        _reject(state, ev.learner, Rejection(
-            "bad_counters", f"counters out of [0, {TOKENS_MAX}], or tokens without steps"), out)
+        _reject(
+            state,
+            ev.learner,
+            Rejection("bad_counters", f"counters out of [0, {TOKENS_MAX}], or tokens without steps"),
+            out,
+        )
         return
     if ev.step < rec.step:
         # An older report overtaken by a newer one (delivered twice or out of order): its versions
@@ -330,8 +361,14 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
         return
     base = max(rec.step, state.global_step)
     if ev.step > base + STEP_JUMP_MAX:
-        _reject(state, ev.learner, Rejection(
-            "bad_counters", f"progress to step {ev.step} jumps more than {STEP_JUMP_MAX} steps past step {base}"), out)
+        _reject(
+            state,
+            ev.learner,
+            Rejection(
+                "bad_counters", f"progress to step {ev.step} jumps more than {STEP_JUMP_MAX} steps past step {base}"
+            ),
+            out,
+        )
         return
     rec.last_seen = now
     rec.step = ev.step
@@ -421,10 +458,14 @@ def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None
     if ev.payload.elements != padded:
         return Rejection("bad_shape", f"fragment {ev.fragment} has {padded} elements, push has {ev.payload.elements}")
     if ev.payload.codec.value not in state.config.push_codecs:
-        return Rejection("bad_shape", f"codec {ev.payload.codec.value} not accepted (accepted: {state.config.push_codecs})")
+        return Rejection(
+            "bad_shape", f"codec {ev.payload.codec.value} not accepted (accepted: {state.config.push_codecs})"
+        )
     if not _counters_valid(ev.steps, ev.tokens):
-        return Rejection("bad_counters", f"counters steps={ev.steps} tokens={ev.tokens}: out of [0, {TOKENS_MAX}],"
-                         " or tokens without steps")
+        return Rejection(
+            "bad_counters",
+            f"counters steps={ev.steps} tokens={ev.tokens}: out of [0, {TOKENS_MAX}], or tokens without steps",
+        )
     if not ev.payload.all_finite():
         return Rejection("non_finite", f"outer gradient of fragment {ev.fragment} has NaN or Inf values")
     return None

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from ddiloco.core import checkpoint
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
@@ -121,8 +122,12 @@ def encode_value(value: Any, store: PayloadStore) -> Any:
     """An event field as JSON: payloads by their sha256 (through `store`), tensor specs as lists."""
     if isinstance(value, codecs.Encoded):
         parts = payload_parts(value)
-        ref = {"codec": value.codec.value, "block": value.block, "elements": value.elements,
-               "bytes": sum(p.nbytes for p in parts)}
+        ref = {
+            "codec": value.codec.value,
+            "block": value.block,
+            "elements": value.elements,
+            "bytes": sum(p.nbytes for p in parts),
+        }
         ref["sha256"] = store(parts)
         return {"$payload": ref}
     if isinstance(value, TensorSpec):
@@ -145,7 +150,13 @@ def header_record(state: SyncerState, source: str, keep_payloads: bool, store: P
     if state.holds_parameters:
         sha = store(checkpoint.to_chunks(state))
         start = {"kind": "checkpoint", "source": source, "sha256": sha, "state_hash": state_hash(state)}
-    return {"type": "header", "format": FORMAT, "config": state.config.to_dict(), "start": start, "keep_payloads": keep_payloads}
+    return {
+        "type": "header",
+        "format": FORMAT,
+        "config": state.config.to_dict(),
+        "start": start,
+        "keep_payloads": keep_payloads,
+    }
 
 
 def event_record(index: int, event: ev.Event, now: float, clock: VClock, store: PayloadStore) -> dict:
@@ -224,12 +235,15 @@ class Tape:
                 raise PayloadMismatch(where, sha, got)
             return body
         if self.stored is None:
-            raise TapeError(f"{where}: payload {str(sha)[:16]} is not at hand (this tape was read without its payload store)")
+            raise TapeError(
+                f"{where}: payload {str(sha)[:16]} is not at hand (this tape was read without its payload store)"
+            )
         return self.stored(sha, where)
 
 
-def tape_of(directory: Path, parsed: list[tuple[int, dict]], good: int, torn: str | None,
-            stored: StoredPayloads | None = None) -> Tape:
+def tape_of(
+    directory: Path, parsed: list[tuple[int, dict]], good: int, torn: str | None, stored: StoredPayloads | None = None
+) -> Tape:
     """A syncer tape from the records of its file (`parse_records`), each checked for its shape."""
     where = Path(directory) / TAPE_FILE
     records = []
@@ -291,7 +305,9 @@ def _check_record(record: Any, offset: int, events_before: int) -> None:
     if kind == "header" and not isinstance(record["start"].get("kind"), str):
         raise TapeError(f"header at offset {offset}: start has no kind")
     if kind == "event" and record["i"] != events_before:
-        raise TapeError(f"event record at offset {offset} has index {record['i']}, expected {events_before}: records are missing")
+        raise TapeError(
+            f"event record at offset {offset} has index {record['i']}, expected {events_before}: records are missing"
+        )
 
 
 def _frames(data: bytes, offset: int) -> tuple[list[tuple[int, bytes]], int, str | None]:
@@ -308,12 +324,18 @@ def _frames(data: bytes, offset: int) -> tuple[list[tuple[int, bytes]], int, str
             raise TapeError(f"record at offset {offset} claims {length} bytes, above the limit of {RECORD_BYTES_MAX}")
         stop = offset + _FRAME.size + length
         if stop > end:
-            return out, offset, f"torn tail at offset {offset}: record of {length} bytes, only {end - offset - _FRAME.size} present, cut"
+            return (
+                out,
+                offset,
+                f"torn tail at offset {offset}: record of {length} bytes, only {end - offset - _FRAME.size} present, cut",
+            )
         body = data[offset + _FRAME.size : stop]
         if crc32(body) != body_crc:
             if stop == end:
                 return out, offset, f"torn tail at offset {offset}: the last record fails its checksum, cut"
-            raise TapeError(f"corrupt record at offset {offset} ({length} bytes): checksum mismatch in the middle of the tape")
+            raise TapeError(
+                f"corrupt record at offset {offset} ({length} bytes): checksum mismatch in the middle of the tape"
+            )
         out.append((offset, body))
         offset = stop
     return out, offset, None
@@ -324,7 +346,9 @@ def decode_event(tape: Tape, record: dict) -> tuple[ev.Event, float, dict]:
     kind = record.get("kind")
     cls = EVENT_KINDS.get(kind)
     if cls is None:
-        raise TapeError(f"event {record.get('i')}: kind {kind!r} is unknown to this version (known: {sorted(EVENT_KINDS)})")
+        raise TapeError(
+            f"event {record.get('i')}: kind {kind!r} is unknown to this version (known: {sorted(EVENT_KINDS)})"
+        )
     fields = record["fields"]
     try:
         values = {f.name: _decoded(tape, record, fields[f.name]) for f in dataclasses.fields(cls) if f.name in fields}
@@ -351,11 +375,15 @@ def _decoded(tape: Tape, record: dict, value: Any) -> Any:
 def _payload(tape: Tape, record: dict, ref: dict) -> codecs.Encoded:
     where = f"event {record.get('i')} ({record.get('kind')})"
     if ref["sha256"] not in tape.payloads and not tape.header.get("keep_payloads", True):
-        raise TapeError(f"{where}: this tape was recorded without payloads (hashes only); "
-                        "only `ddiloco replay --full` of a whole recorded demo can regenerate them")
+        raise TapeError(
+            f"{where}: this tape was recorded without payloads (hashes only); "
+            "only `ddiloco replay --full` of a whole recorded demo can regenerate them"
+        )
     body = tape.payload(ref["sha256"], where)  # regenerated ones come from re-executing the learners (demo.replay)
     if len(body) != ref["bytes"]:
-        raise TapeError(f"{where}: stored payload {ref['sha256'][:16]} has {len(body)} bytes, the record says {ref['bytes']}")
+        raise TapeError(
+            f"{where}: stored payload {ref['sha256'][:16]} has {len(body)} bytes, the record says {ref['bytes']}"
+        )
     try:
         return codecs.from_body(ref["codec"], ref["block"], ref["elements"], body)
     except codecs.CodecError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+
 from ddiloco.demo.config import DemoConfig, model_config
 from ddiloco.reference import data
 from ddiloco.reference import model as reference

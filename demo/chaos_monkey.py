@@ -7,6 +7,7 @@ import signal
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from ddiloco.demo.config import DemoConfig
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ def chaos_plan(cfg: DemoConfig, rng: np.random.Generator) -> list[tuple[int, str
     that a slow or busy machine (start-up and compilation take seconds) sees the same faults at the
     same point of training. The syncer's kill is drawn last: the learners' plan is the same with or
     without it."""
+
     def at(lo: float, hi: float, n: int) -> list[int]:
         return [int(s) for s in rng.uniform(lo, hi, n) * cfg.steps]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+
 from ddiloco.demo.config import DemoConfig, model_config
 from ddiloco.learner.tree import TreeFragments
 from ddiloco.reference import data

@@ -21,11 +21,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from ddiloco.reference import data
-from ddiloco.reference import model as reference
+
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tape import LearnerTapeWriter, config_json
 from ddiloco.net.peer import PeerConfig, PeerError
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -115,11 +116,14 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     opt_state = tx.init(params)
     train_step = reference.make_train_step(cfg.model, tx)
     _compile(train_step, params, opt_state, cfg)
-    stream = data.batches(cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed))
+    stream = data.batches(
+        cfg.shard.slice(data.train_bytes()), cfg.batch, cfg.model.seq, np.random.default_rng(cfg.seed)
+    )
     writer = LearnerTapeWriter.create(cfg.record, config_json(cfg)) if cfg.record is not None else None
     sync = DilocoSync.connect(
-        params, SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, ca_file=cfg.ca_file, codec=cfg.codec,
-                         peer=cfg.peer), tape=writer,
+        params,
+        SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, ca_file=cfg.ca_file, codec=cfg.codec, peer=cfg.peer),
+        tape=writer,
         **(replay.sync_arguments() if replay is not None else {}),
     )
     joined = time.monotonic()
@@ -142,10 +146,19 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
                 time.sleep((time.perf_counter() - t0) * (1 / cfg.speed - 1))
             if log_fh and steps % 5 == 0:
                 ce = float(ce_array)
-                log_fh.write(json.dumps({
-                    "t": round(time.monotonic() - started, 3), "learner": sync.learner_id, "step": sync.step_count,
-                    "loss": ce, "versions": sync.versions, "applied": sync.merged_versions_applied,
-                }) + "\n")
+                log_fh.write(
+                    json.dumps(
+                        {
+                            "t": round(time.monotonic() - started, 3),
+                            "learner": sync.learner_id,
+                            "step": sync.step_count,
+                            "loss": ce,
+                            "versions": sync.versions,
+                            "applied": sync.merged_versions_applied,
+                        }
+                    )
+                    + "\n"
+                )
         if ce_array is not None:  # the summary's loss is that of the last step taken
             ce = float(ce_array)
         if writer is not None:
@@ -158,10 +171,17 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
             log_fh.close()
     if replay is not None:
         replay.finished(sync, params)
-    return {"learner": sync.learner_id, "steps": steps, "last_step": sync.step_count, "loss": ce,
-            "applied": sync.merged_versions_applied, "config": asdict(cfg)["name"],
-            "recovered_from": sync.recovered_from, "recovery_s": round(sync.recovery_s, 3),
-            "caught_up_s": None if caught_up_s is None else round(caught_up_s, 3)}
+    return {
+        "learner": sync.learner_id,
+        "steps": steps,
+        "last_step": sync.step_count,
+        "loss": ce,
+        "applied": sync.merged_versions_applied,
+        "config": asdict(cfg)["name"],
+        "recovered_from": sync.recovered_from,
+        "recovery_s": round(sync.recovery_s, 3),
+        "caught_up_s": None if caught_up_s is None else round(caught_up_s, 3),
+    }
 
 
 def learner_config_from_json(d: dict) -> LearnerConfig:
@@ -169,9 +189,17 @@ def learner_config_from_json(d: dict) -> LearnerConfig:
     no token, no files, no peer server (the replay stands in for peers)."""
     try:
         return LearnerConfig(
-            syncer=d["syncer"], name=d["name"], shard=data.Shard(**d["shard"]), model=reference.ModelConfig(**d["model"]),
-            train=reference.TrainConfig(**d["train"]), batch=d["batch"], seed=d["seed"], codec=d["codec"],
-            steps_total=d["steps_total"], speed=d["speed"], peer=None,
+            syncer=d["syncer"],
+            name=d["name"],
+            shard=data.Shard(**d["shard"]),
+            model=reference.ModelConfig(**d["model"]),
+            train=reference.TrainConfig(**d["train"]),
+            batch=d["batch"],
+            seed=d["seed"],
+            codec=d["codec"],
+            steps_total=d["steps_total"],
+            speed=d["speed"],
+            peer=None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"the learner tape's configuration does not fit this version: {exc}") from exc

@@ -42,16 +42,29 @@ def learner_rows(status: dict, learners: list[LearnerProcess], logs: list[LossLo
         # A process that has not joined yet says what it is doing (demo/learner_process.py): the
         # first compile of its step takes seconds to tens of seconds, before the syncer hears of it.
         state = (
-            "done" if lr.done else "stopping" if lr.stopping else "killed" if lr.killed_at is not None
-            else "paused" if lr.paused_until else log.phase if log.phase in ("starting", "compiling")
+            "done"
+            if lr.done
+            else "stopping"
+            if lr.stopping
+            else "killed"
+            if lr.killed_at is not None
+            else "paused"
+            if lr.paused_until
+            else log.phase
+            if log.phase in ("starting", "compiling")
             else (r["status"] if r else "joining")
         )
-        out.append({
-            "learner": lr.index, "state": state, "step": r["step"] if r else None,
-            "tokens": len(log.points) * LOG_EVERY_STEPS * cfg.batch * model_config(cfg).seq,
-            "loss": log.points[-1][1] if log.points else None, "versions": r["versions"] if r else None,
-            "restarts": lr.restarts,
-        })
+        out.append(
+            {
+                "learner": lr.index,
+                "state": state,
+                "step": r["step"] if r else None,
+                "tokens": len(log.points) * LOG_EVERY_STEPS * cfg.batch * model_config(cfg).seq,
+                "loss": log.points[-1][1] if log.points else None,
+                "versions": r["versions"] if r else None,
+                "restarts": lr.restarts,
+            }
+        )
     return out
 
 
@@ -74,8 +87,10 @@ class PlainView:
 
     def update(self, now, status, learners, logs, cfg, syncer) -> None:
         head, last = _headline(now, status, syncer)
-        cells = " ".join(f"L{r['learner']}:{r['state']}@{'-' if r['step'] is None else r['step']}"
-                         for r in learner_rows(status, learners, logs, cfg))
+        cells = " ".join(
+            f"L{r['learner']}:{r['state']}@{'-' if r['step'] is None else r['step']}"
+            for r in learner_rows(status, learners, logs, cfg)
+        )
         print(f"{head} {cells} | {fit_words(last, DECISION_CHARS_MAX)}", file=self.out, flush=True)
 
     def close(self) -> None:
@@ -104,9 +119,13 @@ class RichView:
             table.add_column(name, justify="left" if name in ("state", "versions held") else "right")
         for r in learner_rows(status, learners, logs, cfg):
             table.add_row(
-                str(r["learner"]), r["state"], "-" if r["step"] is None else str(r["step"]), f"{r['tokens']:,}",
+                str(r["learner"]),
+                r["state"],
+                "-" if r["step"] is None else str(r["step"]),
+                f"{r['tokens']:,}",
                 "-" if r["loss"] is None else f"{r['loss']:.3f}",
-                "-" if r["versions"] is None else ",".join(map(str, r["versions"])), str(r["restarts"]),
+                "-" if r["versions"] is None else ",".join(map(str, r["versions"])),
+                str(r["restarts"]),
             )
         self.live.update(table)
 

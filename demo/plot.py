@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from ddiloco.demo.report import DemoReport
 
 __all__ = ["write_plot"]
@@ -19,17 +20,29 @@ def write_plot(r: DemoReport, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib: install the learner extra (pip install 'ddiloco[learner]')") from exc
+        raise RuntimeError(
+            "--plot needs matplotlib: install the learner extra (pip install 'ddiloco[learner]')"
+        ) from exc
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for key, label, color in (("learners", "Decoupled DiLoCo learners (train, mean)", "tab:blue"),
-                              ("baseline", "data-parallel (train)", "tab:orange")):
+    for key, label, color in (
+        ("learners", "Decoupled DiLoCo learners (train, mean)", "tab:blue"),
+        ("baseline", "data-parallel (train)", "tab:orange"),
+    ):
         pts = np.array(r.curves.get(key) or [], dtype=float).reshape(-1, 2)
         if pts.size:
             ax.plot(pts[:, 0], pts[:, 1], label=label, color=color)
     end = max((p[0] for c in r.curves.values() for p in c), default=0.0)
     ax.scatter([end], [r.eval_loss], marker="*", s=120, color="tab:blue", zorder=3, label="merged model (held-out)")
     if r.baseline_eval_loss is not None:
-        ax.scatter([end], [r.baseline_eval_loss], marker="*", s=120, color="tab:orange", zorder=3, label="data-parallel (held-out)")
+        ax.scatter(
+            [end],
+            [r.baseline_eval_loss],
+            marker="*",
+            s=120,
+            color="tab:orange",
+            zorder=3,
+            label="data-parallel (held-out)",
+        )
     for e in r.events:
         if e["what"] in ("kill", "kill-syncer"):
             ax.axvline(e["tokens"], color="tab:red" if e["what"] == "kill" else "black", linestyle="--", linewidth=1)

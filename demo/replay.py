@@ -156,12 +156,16 @@ class LearnerReplay:
     def _recover(self, welcome: session.WelcomeInfo, params: Any, opt_state: Any, *_: Any) -> recovery.Recovered:
         recorded = self.tape.of("recover")
         if not recorded:
-            raise ltapes.LearnerTapeError(f"{self.tape.directory.name}: the replayed learner recovers, the recorded one did not")
+            raise ltapes.LearnerTapeError(
+                f"{self.tape.directory.name}: the replayed learner recovers, the recorded one did not"
+            )
         r = recorded[0]
         if r["snapshot"] is None:
             return recovery.Recovered(params, opt_state, welcome.global_step, (), r["source"], 0.0)
         snap = peer.decode_snapshot(self.tape.snapshot(r["snapshot"]))
-        new_params, new_opt, step, versions = recovery.adopt(snap, params, opt_state, welcome.digest, tuple(welcome.versions))
+        new_params, new_opt, step, versions = recovery.adopt(
+            snap, params, opt_state, welcome.digest, tuple(welcome.versions)
+        )
         return recovery.Recovered(new_params, new_opt, step, versions, r["source"], 0.0)
 
 
@@ -173,8 +177,14 @@ def replay_learner(tape: ltapes.LearnerTape, cache_dir: Path | None = None) -> t
     rep = LearnerReplay(tape)
     run_learner(cfg, replay=rep)
     name = tape.directory.name
-    result = LearnerResult(name, rep.calls, len(rep.transport.pushes), len(rep.transport.inits), len(rep.snapshots.got),
-                           tape.closed is not None)
+    result = LearnerResult(
+        name,
+        rep.calls,
+        len(rep.transport.pushes),
+        len(rep.transport.inits),
+        len(rep.snapshots.got),
+        tape.closed is not None,
+    )
     result.divergence = _learner_divergence(tape, rep)
     bodies = {}
     for _, push in rep.transport.pushes:
@@ -190,8 +200,18 @@ def replay_learner(tape: ltapes.LearnerTape, cache_dir: Path | None = None) -> t
 def _learner_divergence(tape: ltapes.LearnerTape, rep: LearnerReplay) -> str | None:
     """The first difference between what the live incarnation sent and what the replay sent."""
     torn = tape.closed is None
-    got_pushes = [{"call": c, "fragment": p.fragment, "round": p.round, "base_version": p.base_version, "steps": p.steps,
-                   "tokens": p.tokens, "sha256": ltapes.payload_sha256(p.payload)} for c, p in rep.transport.pushes]
+    got_pushes = [
+        {
+            "call": c,
+            "fragment": p.fragment,
+            "round": p.round,
+            "base_version": p.base_version,
+            "steps": p.steps,
+            "tokens": p.tokens,
+            "sha256": ltapes.payload_sha256(p.payload),
+        }
+        for c, p in rep.transport.pushes
+    ]
     got_inits = [{"call": c, "fragment": q, "sha256": ltapes.sha256(b)} for c, q, b in rep.transport.inits]
     for kind, got in (("push", got_pushes), ("init", got_inits)):
         want = [{k: v for k, v in r.items() if k != "type"} for r in tape.of(kind)]
@@ -200,10 +220,12 @@ def _learner_divergence(tape: ltapes.LearnerTape, rep: LearnerReplay) -> str | N
                 return f"call {w['call']}: the recorded {kind} of fragment {w['fragment']} was not made again"
             if got[i] != w:
                 diff = sorted(k for k in w if got[i].get(k) != w[k])
-                return (f"call {w['call']}: {kind} {i} of fragment {w['fragment']} differs in {diff}: "
-                        f"expected {[w[k] for k in diff]}, got {[got[i][k] for k in diff]}")
+                return (
+                    f"call {w['call']}: {kind} {i} of fragment {w['fragment']} differs in {diff}: "
+                    f"expected {[w[k] for k in diff]}, got {[got[i][k] for k in diff]}"
+                )
         # A killed learner may have made (and not yet recorded) more in its last call, never earlier.
-        extra = [g for g in got[len(want):] if not (torn and g["call"] == tape.last_call)]
+        extra = [g for g in got[len(want) :] if not (torn and g["call"] == tape.last_call)]
         if extra:
             return f"call {extra[0]['call']}: the replay made a {kind} of fragment {extra[0]['fragment']} the recorded run did not"
     for call, sha in rep.snapshots.recorded.items():
@@ -236,8 +258,10 @@ def replay_full(directory: Path | str, cache_dir: Path | None = None) -> FullRes
     syncer_dirs = syncer_tape_dirs(directory)
     learners = learner_tapes(directory)
     if not syncer_dirs or not learners:
-        raise tapes.TapeError(f"{directory} is not a recorded demo: it needs {SYNCER_DIR}/ and {LEARNERS_DIR}/*/ tapes "
-                              "(written by `ddiloco demo --record DIR`)")
+        raise tapes.TapeError(
+            f"{directory} is not a recorded demo: it needs {SYNCER_DIR}/ and {LEARNERS_DIR}/*/ tapes "
+            "(written by `ddiloco demo --record DIR`)"
+        )
     out = FullResult()
     out.never_joined = [t.directory.name for t in learners if not t.of("welcome")]
     learners = [t for t in learners if t.of("welcome")]
@@ -262,7 +286,7 @@ def replay_full(directory: Path | str, cache_dir: Path | None = None) -> FullRes
                 checks.setdefault((r["fragment"], r["version"]), set()).add(r["sha256"])
         if not result.ok and out.divergence is None:
             out.divergence = f"syncer tape {d.name}: {result.divergence}"
-    for (q, sha) in out.init_bodies:  # version 0 of a fragment is what the first learner sent
+    for q, sha in out.init_bodies:  # version 0 of a fragment is what the first learner sent
         checks.setdefault((q, 0), set()).add(sha)
     if fp32:
         out.updates_checked, bad = _check_updates(learners, checks)
@@ -281,7 +305,9 @@ def _check_updates(learners: list[ltapes.LearnerTape], checks: dict) -> tuple[in
             for q, version, ref in r["updates"]:
                 sha = ref["$payload"]["sha256"]
                 if sha not in checks.get((q, version), set()):
-                    return n, (f"learner {tape.directory.name}: call {r['call']}: applied fragment {q} version {version} "
-                               f"({sha[:16]}), which the syncer's replay never produced")
+                    return n, (
+                        f"learner {tape.directory.name}: call {r['call']}: applied fragment {q} version {version} "
+                        f"({sha[:16]}), which the syncer's replay never produced"
+                    )
                 n += 1
     return n, None

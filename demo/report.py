@@ -7,13 +7,22 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from ddiloco.demo.config import DemoConfig
 
 if TYPE_CHECKING:
     from ddiloco.demo.supervisor import LossLog
 
-__all__ = ["DemoReport", "goodput", "ledger_lines", "learner_curve", "report_json", "report_text", "trained_tokens",
-           "uptime_and_longest_gap"]
+__all__ = [
+    "DemoReport",
+    "goodput",
+    "ledger_lines",
+    "learner_curve",
+    "report_json",
+    "report_text",
+    "trained_tokens",
+    "uptime_and_longest_gap",
+]
 
 LEDGER_FATES = ("merged", "late", "stale", "rejected", "lost", "open")  # core.ledger's fates, and still open
 
@@ -62,13 +71,17 @@ def ledger_lines(ledger: dict, fragments: int) -> list[str]:
         return ["token ledger   nothing reported"]
     shares = ", ".join(f"{fate} {100 * ledger.get(fate, 0) / reported:.1f}%" for fate in LEDGER_FATES)
     return [
-        (f"token ledger   counted per fragment: each of the {reported // max(1, fragments):,} tokens trained is "
-         f"counted once for each of the {fragments} fragments ({reported:,} in all)"),
+        (
+            f"token ledger   counted per fragment: each of the {reported // max(1, fragments):,} tokens trained is "
+            f"counted once for each of the {fragments} fragments ({reported:,} in all)"
+        ),
         f"               what became of them: {shares}",
     ]
 
 
-def uptime_and_longest_gap(merge_times: list[float], trained_until: float, wall: float, cfg: DemoConfig) -> tuple[float, float]:
+def uptime_and_longest_gap(
+    merge_times: list[float], trained_until: float, wall: float, cfg: DemoConfig
+) -> tuple[float, float]:
     """(uptime, longest gap in seconds). Counts from the first merge (before it the processes start
     and compile) until the last learner finished; a gap between merges longer than two fragment
     periods is downtime, all of it."""
@@ -112,37 +125,56 @@ def report_text(r: DemoReport) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
-    rel = "" if r.baseline_eval_loss is None else f" ({100 * (r.eval_loss / r.baseline_eval_loss - 1):+.1f}% vs baseline)"
+    rel = (
+        "" if r.baseline_eval_loss is None else f" ({100 * (r.eval_loss / r.baseline_eval_loss - 1):+.1f}% vs baseline)"
+    )
     catch = ", ".join(f"L{c['learner']} {c['catch_up_s']:.1f} s" for c in r.catch_up) or "-"
     ledger = r.ledger or {}
     merged_share = ledger.get("merged", 0) / ledger["reported"] if ledger.get("reported") else None
     lines = [
         f"merged model   eval loss {f(r.eval_loss)} nats/byte, {f(r.eval_bits_per_byte)} bits/byte{rel}",
         f"data-parallel  eval loss {f(r.baseline_eval_loss)} nats/byte, {f(r.baseline_bits_per_byte)} bits/byte",
-        (f"choice acc.    merged {pct(r.choice_accuracy)}, data-parallel {pct(r.baseline_choice_accuracy)} "
-         f"(true next line among 4, ranked by what the context adds to its likelihood; chance 25%)"),
+        (
+            f"choice acc.    merged {pct(r.choice_accuracy)}, data-parallel {pct(r.baseline_choice_accuracy)} "
+            f"(true next line among 4, ranked by what the context adds to its likelihood; chance 25%)"
+        ),
         f"syncer uptime  {100 * r.uptime:.1f}% (longest gap between merges {r.longest_merge_gap_s:.1f} s)",
         f"goodput        {100 * r.goodput:.1f}% of learner time; {pct(merged_share)} of reported tokens merged",
-        (f"chaos          {_count(r.kills, 'learner kill')}, {_count(r.recoveries, 'restart')}, "
-         f"{len(r.catch_up)} caught up before the end (catch-up: {catch})"),
-        (f"tokens         {r.tokens_trained:,} trained of a budget of {r.token_budget:,} "
-         f"(the baseline's), in {r.global_steps} global steps"),
+        (
+            f"chaos          {_count(r.kills, 'learner kill')}, {_count(r.recoveries, 'restart')}, "
+            f"{len(r.catch_up)} caught up before the end (catch-up: {catch})"
+        ),
+        (
+            f"tokens         {r.tokens_trained:,} trained of a budget of {r.token_budget:,} "
+            f"(the baseline's), in {r.global_steps} global steps"
+        ),
     ]
     if r.syncer_kills:
         outage = "-" if r.syncer_outage_s is None else f"{r.syncer_outage_s:.1f} s"
         lines.append(f"syncer kill    {r.syncer_kills}, restarted from its checkpoint; kill to next merge {outage}")
         if r.syncer_restart:
-            names = {"restart_delay_s": "restart delay", "start_and_imports_s": "start and imports",
-                     "resume_and_listen_s": "resume and listen", "warmup_s": "kernel warm-up",
-                     "rejoin_s": "learners back", "first_round_s": "first round"}
-            parts = ", ".join(f"{text} {r.syncer_restart[k]:.2f} s" for k, text in names.items()
-                              if r.syncer_restart.get(k) is not None)
+            names = {
+                "restart_delay_s": "restart delay",
+                "start_and_imports_s": "start and imports",
+                "resume_and_listen_s": "resume and listen",
+                "warmup_s": "kernel warm-up",
+                "rejoin_s": "learners back",
+                "first_round_s": "first round",
+            }
+            parts = ", ".join(
+                f"{text} {r.syncer_restart[k]:.2f} s"
+                for k, text in names.items()
+                if r.syncer_restart.get(k) is not None
+            )
             lines.append(f"               ({parts}; warm-up overlaps the learners' return)")
-    return "\n".join(lines + [
-        f"merges         {r.merges}",
-        *ledger_lines(r.ledger or {}, int(r.config.get("fragments", 1))),
-        f"wall time      {r.wall_s:.1f} s",
-    ])
+    return "\n".join(
+        lines
+        + [
+            f"merges         {r.merges}",
+            *ledger_lines(r.ledger or {}, int(r.config.get("fragments", 1))),
+            f"wall time      {r.wall_s:.1f} s",
+        ]
+    )
 
 
 def report_json(r: DemoReport) -> dict:

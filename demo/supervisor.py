@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
 from ddiloco.demo import chaos_monkey
 from ddiloco.demo.baseline import train_baseline
 from ddiloco.demo.chaos_monkey import chaos_plan
@@ -136,19 +137,51 @@ class Demo:
         cfg, speed = self.cfg, self.cfg.speeds[lr.index] if self.cfg.speeds else 1.0
         log = open(self.work / f"learner{lr.index}.log", "a")
         lr.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{self.port}/ws",
-             "--token-file", str(self.token_file), "--shard", f"{lr.index}/{cfg.learners}",
-             "--steps", str(cfg.steps * STEPS_CAP_FACTOR), "--schedule-steps", str(cfg.steps),
-             "--batch", str(cfg.batch), "--seed", str(cfg.seed * 1000 + lr.index * 10 + lr.restarts),
-             "--speed", str(speed), "--model", cfg.model, "--name", f"learner-{lr.index}",
-             "--cache-dir", str(self.work / "jax-cache"), "--log-file", str(self.work / f"learner{lr.index}.jsonl"),
-             *(["--record", str(cfg.record / "learners" / f"learner-{lr.index}.{lr.restarts}")] if cfg.record else []),
-             *(["--restore", str(self.restore[f"learner-{lr.index}"])] if lr.restarts == 0 and f"learner-{lr.index}" in self.restore else [])],
-            stdout=subprocess.DEVNULL, stderr=log,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "learner",
+                "--syncer",
+                f"ws://127.0.0.1:{self.port}/ws",
+                "--token-file",
+                str(self.token_file),
+                "--shard",
+                f"{lr.index}/{cfg.learners}",
+                "--steps",
+                str(cfg.steps * STEPS_CAP_FACTOR),
+                "--schedule-steps",
+                str(cfg.steps),
+                "--batch",
+                str(cfg.batch),
+                "--seed",
+                str(cfg.seed * 1000 + lr.index * 10 + lr.restarts),
+                "--speed",
+                str(speed),
+                "--model",
+                cfg.model,
+                "--name",
+                f"learner-{lr.index}",
+                "--cache-dir",
+                str(self.work / "jax-cache"),
+                "--log-file",
+                str(self.work / f"learner{lr.index}.jsonl"),
+                *(
+                    ["--record", str(cfg.record / "learners" / f"learner-{lr.index}.{lr.restarts}")]
+                    if cfg.record
+                    else []
+                ),
+                *(
+                    ["--restore", str(self.restore[f"learner-{lr.index}"])]
+                    if lr.restarts == 0 and f"learner-{lr.index}" in self.restore
+                    else []
+                ),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
         )
         log.close()  # the child holds its own copy
         self.logs[lr.index].phase = "starting"  # until the new process says it compiles (its JSON lines)
-
 
     def revive_syncer(self, now: float) -> None:
         s = self.syncer
@@ -159,7 +192,9 @@ class Demo:
         if now - s.killed_at < self.cfg.syncer_restart_delay_s:
             return
         s.proc.wait()
-        self.syncer = _start_syncer(self.cfg, self.work, self.token_file, port=self.port, resume=True, starts=s.starts + 1)
+        self.syncer = _start_syncer(
+            self.cfg, self.work, self.token_file, port=self.port, resume=True, starts=s.starts + 1
+        )
         self.syncer.restarted_at = now
         self.record("restart-syncer", now)
         self.view.note(f"chaos: restart the syncer from its checkpoint at {now:.1f} s")
@@ -208,8 +243,14 @@ class Demo:
             if r is None:
                 continue
             if lr.restarted_at is not None and r["id"] != lr.syncer_id and r["status"] == "live":
-                self.catch_up.append({"learner": lr.index, "restarted_at": round(lr.restarted_at, 2),
-                                      "live_at": round(now, 2), "catch_up_s": round(now - lr.restarted_at, 2)})
+                self.catch_up.append(
+                    {
+                        "learner": lr.index,
+                        "restarted_at": round(lr.restarted_at, 2),
+                        "live_at": round(now, 2),
+                        "catch_up_s": round(now - lr.restarted_at, 2),
+                    }
+                )
                 lr.restarted_at = None
             if lr.restarted_at is None or lr.killed_at is not None:
                 lr.syncer_id = r["id"]  # the id the next restart must differ from
@@ -274,9 +315,13 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
 
 
 # What the restarted syncer logs at each step of its way back (net.server, cli/syncer.py, the core).
-_RESTART_STEPS = (("up_at", "INFO ddiloco.syncer: config "), ("listening_at", "syncer listening on"),
-                  ("warmed_up_at", "kernels warmed up"), ("first_join_at", ") joined as"),
-                  ("first_merge_at", ": merged "))
+_RESTART_STEPS = (
+    ("up_at", "INFO ddiloco.syncer: config "),
+    ("listening_at", "syncer listening on"),
+    ("warmed_up_at", "kernels warmed up"),
+    ("first_join_at", ") joined as"),
+    ("first_merge_at", ": merged "),
+)
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -301,13 +346,15 @@ def restart_timeline(log_text: str, wall_started: float, killed_at: float, resta
     def span(a: str, b: str) -> float | None:
         return None if at[a] is None or at[b] is None else round(at[b] - at[a], 3)
 
-    phases = {"restart_delay_s": span("killed_at", "restarted_at"),
-              "start_and_imports_s": span("restarted_at", "up_at"),
-              "resume_and_listen_s": span("up_at", "listening_at"),
-              "warmup_s": span("listening_at", "warmed_up_at"),
-              "rejoin_s": span("listening_at", "first_join_at"),
-              "first_round_s": span("first_join_at", "first_merge_at"),
-              "outage_s": span("killed_at", "first_merge_at")}
+    phases = {
+        "restart_delay_s": span("killed_at", "restarted_at"),
+        "start_and_imports_s": span("restarted_at", "up_at"),
+        "resume_and_listen_s": span("up_at", "listening_at"),
+        "warmup_s": span("listening_at", "warmed_up_at"),
+        "rejoin_s": span("listening_at", "first_join_at"),
+        "first_round_s": span("first_join_at", "first_merge_at"),
+        "outage_s": span("killed_at", "first_merge_at"),
+    }
     return {**at, **phases}
 
 
@@ -333,18 +380,29 @@ def _report(cfg: DemoConfig, demo: Demo, work: Path, merge_times: list[float], f
         if restart["outage_s"] is not None:
             outage = restart["outage_s"]  # to the millisecond, not to the poll
     return DemoReport(
-        eval_loss=merged_loss, eval_bits_per_byte=merged_loss / np.log(2),
-        baseline_eval_loss=base_loss, baseline_bits_per_byte=None if base_loss is None else base_loss / np.log(2),
-        choice_accuracy=merged_choice, baseline_choice_accuracy=base_choice,
-        uptime=uptime, longest_merge_gap_s=longest,
-        goodput=goodput(demo.events, cfg, wall), kills=sum(1 for e in events if e["what"] == "kill"),
+        eval_loss=merged_loss,
+        eval_bits_per_byte=merged_loss / np.log(2),
+        baseline_eval_loss=base_loss,
+        baseline_bits_per_byte=None if base_loss is None else base_loss / np.log(2),
+        choice_accuracy=merged_choice,
+        baseline_choice_accuracy=base_choice,
+        uptime=uptime,
+        longest_merge_gap_s=longest,
+        goodput=goodput(demo.events, cfg, wall),
+        kills=sum(1 for e in events if e["what"] == "kill"),
         recoveries=sum(1 for e in events if e["what"] == "restart"),
-        merges=int(final.get("merges", 0)), ledger=final.get("ledger", {}), wall_s=wall, events=events,
-        catch_up=demo.catch_up, syncer_kills=sum(1 for e in events if e["what"] == "kill-syncer"),
-        syncer_outage_s=None if outage is None else round(outage, 2), syncer_restart=restart,
+        merges=int(final.get("merges", 0)),
+        ledger=final.get("ledger", {}),
+        wall_s=wall,
+        events=events,
+        catch_up=demo.catch_up,
+        syncer_kills=sum(1 for e in events if e["what"] == "kill-syncer"),
+        syncer_outage_s=None if outage is None else round(outage, 2),
+        syncer_restart=restart,
         curves={"learners": learner_curve(demo.logs, tokens_per_step), "baseline": base_curve},
         config=asdict(cfg),
-        tokens_trained=trained_tokens(final) if final.get("ledger") else 0, token_budget=cfg.token_budget,
+        tokens_trained=trained_tokens(final) if final.get("ledger") else 0,
+        token_budget=cfg.token_budget,
         global_steps=int(final.get("global_step", 0)),
     )
 
@@ -378,18 +436,51 @@ def _start_syncer(cfg: DemoConfig, work: Path, token_file: Path, port: int, resu
         where = ["--resume", str(work / "ckpt")]
     else:
         where = [
-            "--checkpoint-dir", str(work / "ckpt"), "--fragments", str(cfg.fragments), "--period", str(cfg.period),
-            "--overlap", str(cfg.overlap), "--quorum", str(cfg.quorum), "--outer-lr", str(cfg.outer_lr),
-            "--outer-momentum", str(cfg.outer_momentum), "--merge", cfg.merge, "--grace-max-ms", str(cfg.grace_ms_max),
-            "--grace-gamma", str(cfg.grace_gamma), "--checkpoint-every-s", str(cfg.checkpoint_every_s),
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            "--fragments",
+            str(cfg.fragments),
+            "--period",
+            str(cfg.period),
+            "--overlap",
+            str(cfg.overlap),
+            "--quorum",
+            str(cfg.quorum),
+            "--outer-lr",
+            str(cfg.outer_lr),
+            "--outer-momentum",
+            str(cfg.outer_momentum),
+            "--merge",
+            cfg.merge,
+            "--grace-max-ms",
+            str(cfg.grace_ms_max),
+            "--grace-gamma",
+            str(cfg.grace_gamma),
+            "--checkpoint-every-s",
+            str(cfg.checkpoint_every_s),
         ]
     where += ["--snapshot-dir", str(work / "snapshots"), "--snapshot-every-s", str(cfg.snapshot_every_s)]
     if cfg.record is not None:
-        where += ["--record", str(cfg.record / ("syncer" if starts == 1 else f"syncer.{starts}")), "--record-no-payloads"]
+        where += [
+            "--record",
+            str(cfg.record / ("syncer" if starts == 1 else f"syncer.{starts}")),
+            "--record-no-payloads",
+        ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", str(port), "--auth-token-file", str(token_file), *where],
-            stderr=subprocess.STDOUT, stdout=log,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "syncer",
+                "--port",
+                str(port),
+                "--auth-token-file",
+                str(token_file),
+                *where,
+            ],
+            stderr=subprocess.STDOUT,
+            stdout=log,
         )
     return SyncerProcess(proc, log_path, starts=starts)
 
@@ -422,5 +513,3 @@ def _post(url: str, token: str) -> None:
     req = urllib.request.Request(url, method="POST", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=60) as r:
         r.read()
-
-

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
 from ddiloco.learner.params_file import export, load_params
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.net.control import request_checkpoint

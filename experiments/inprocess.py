@@ -245,7 +245,9 @@ class InProcessTransport:
 
     def connect(self) -> None:
         self._conn, self._welcomed = self.hub.connect(self), False
-        frames = session.hello_frames(self._client.config.name, self._client.config.tensors, next(self._ids), self.hub.limits)
+        frames = session.hello_frames(
+            self._client.config.name, self._client.config.tensors, next(self._ids), self.hub.limits
+        )
         self.hub.send_up(self._conn, frames)
 
     def hang_up(self) -> None:

@@ -28,11 +28,11 @@ import numpy as np
 from ddiloco.core import codec as codecs
 from ddiloco.core import syncer as core
 from ddiloco.core.config import SyncerConfig
-from ddiloco.reference import data
-from ddiloco.reference import model as reference
 from ddiloco.experiments.inprocess import Hub, InProcessTransport, NetworkModel, VirtualLoop
 from ddiloco.learner.sync import DilocoSync, SyncConfig, check_alpha
 from ddiloco.learner.tree import TreeFragments, tensor_specs
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 
 LEARNERS_MAX = 64
 EVAL_WINDOWS = 64  # held-out windows per evaluation, as in the demo
@@ -85,7 +85,9 @@ class RunConfig:
         if not 1 <= len(self.learners) <= LEARNERS_MAX:
             raise ValueError(f"a run needs 1 to {LEARNERS_MAX} learners, got {len(self.learners)}")
         if self.batch < 1 or self.budget_tokens < self.batch * self.model.seq:
-            raise ValueError(f"need batch >= 1 and a budget of at least one batch, got {self.batch}, {self.budget_tokens}")
+            raise ValueError(
+                f"need batch >= 1 and a budget of at least one batch, got {self.batch}, {self.budget_tokens}"
+            )
         codecs.parse_codec(self.codec)
         check_alpha(self.alpha)  # here, not first when a learner's hook is built mid-run
         if self.error_feedback and self.codec == "fp32":
@@ -110,7 +112,9 @@ class RunConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def programs(model: reference.ModelConfig, schedule_steps: int, lr: float = reference.TrainConfig.lr) -> tuple[Any, Callable, Callable]:
+def programs(
+    model: reference.ModelConfig, schedule_steps: int, lr: float = reference.TrainConfig.lr
+) -> tuple[Any, Callable, Callable]:
     """(optimizer, jitted train step, jitted eval): compiled once per configuration and shared by
     every learner of every run (the inner optimizer is a pure transformation, its state per learner)."""
     train = reference.TrainConfig(lr=lr, total_steps=schedule_steps, warmup_steps=min(20, schedule_steps // 5))
@@ -192,8 +196,11 @@ class _Learner:
 
     def build_hook(self) -> None:
         sync_cfg = SyncConfig(
-            url="ws://in-process/ws", name=f"learner-{self.index}", codec=self.run.cfg.codec,
-            error_feedback=self.run.cfg.error_feedback, alpha=self.run.cfg.alpha,
+            url="ws://in-process/ws",
+            name=f"learner-{self.index}",
+            codec=self.run.cfg.codec,
+            error_feedback=self.run.cfg.error_feedback,
+            alpha=self.run.cfg.alpha,
         )
         self.sync = DilocoSync.connect(self.params, sync_cfg, transport=self.transport)
         self.transport.flush()  # the initial parameters, when this learner was asked for them
@@ -306,7 +313,9 @@ class _Run:
         loss = evaluate(self.cfg.model, params, self.schedule_steps)
         ledger = state.ledger.summary()
         settled = max(1, ledger["reported"] - ledger["open"])
-        allocated = sum(max(0.0, (lr.spec.leave_s or wall) - lr.spec.join_s) for lr in self.learners if lr.spec.join_s < wall)
+        allocated = sum(
+            max(0.0, (lr.spec.leave_s or wall) - lr.spec.join_s) for lr in self.learners if lr.spec.join_s < wall
+        )
         busy = sum(lr.busy_s for lr in self.learners)
         per_step: dict[int, int] = {}
         for lr in self.learners:
@@ -315,13 +324,22 @@ class _Run:
         steps_seen = max(1, max((lr.sync.step_count for lr in self.learners if lr.sync), default=1))
         bytes_up = sum(lr.transport.bytes_up for lr in self.learners)
         return RunResult(
-            eval_loss=loss, bits_per_byte=loss / math.log(2), choice_accuracy=choice_accuracy(self.cfg.model, params),
-            goodput=(ledger["merged"] / settled) * (busy / max(allocated, 1e-9)), wall_s=wall,
-            reached_target_s=self.reached_at, tokens=self.tokens, merges=state.merges, ledger=ledger,
-            bytes_up=bytes_up, bytes_up_per_step_peak=max(per_step.values(), default=0),
-            bytes_up_per_step_mean=bytes_up / steps_seen, bytes_down=self.hub.bytes_down,
+            eval_loss=loss,
+            bits_per_byte=loss / math.log(2),
+            choice_accuracy=choice_accuracy(self.cfg.model, params),
+            goodput=(ledger["merged"] / settled) * (busy / max(allocated, 1e-9)),
+            wall_s=wall,
+            reached_target_s=self.reached_at,
+            tokens=self.tokens,
+            merges=state.merges,
+            ledger=ledger,
+            bytes_up=bytes_up,
+            bytes_up_per_step_peak=max(per_step.values(), default=0),
+            bytes_up_per_step_mean=bytes_up / steps_seen,
+            bytes_down=self.hub.bytes_down,
             state_hash=core.state_hash(state),
-            merge_log=[(m.fragment, m.version, m.learners) for m in self.hub.merges], evals=self.evals,
+            merge_log=[(m.fragment, m.version, m.learners) for m in self.hub.merges],
+            evals=self.evals,
         )
 
 
@@ -339,8 +357,14 @@ def run(cfg: RunConfig, *, settle: bool = False) -> RunResult:
     return r.result()
 
 
-def run_data_parallel(model: reference.ModelConfig, batch: int, steps: int, seed: int, schedule_steps: int | None = None,
-                      lr: float = reference.TrainConfig.lr) -> dict:
+def run_data_parallel(
+    model: reference.ModelConfig,
+    batch: int,
+    steps: int,
+    seed: int,
+    schedule_steps: int | None = None,
+    lr: float = reference.TrainConfig.lr,
+) -> dict:
     """The data-parallel baseline: one model, the learners' batches together in one batch, as many
     steps as a learner's schedule (the same token budget), from the same initial weights."""
     sched = schedule_steps or max(21, steps)
@@ -352,5 +376,9 @@ def run_data_parallel(model: reference.ModelConfig, batch: int, steps: int, seed
         x, y = next(stream)
         params, opt_state, _ = train_step(params, opt_state, x, y)
     loss = evaluate(model, params, sched)
-    return {"eval_loss": loss, "bits_per_byte": loss / math.log(2), "choice_accuracy": choice_accuracy(model, params),
-            "tokens": steps * batch * model.seq}
+    return {
+        "eval_loss": loss,
+        "bits_per_byte": loss / math.log(2),
+        "choice_accuracy": choice_accuracy(model, params),
+        "tokens": steps * batch * model.seq,
+    }

@@ -98,8 +98,9 @@ def accumulate(acc: np.ndarray, weight: float, x: np.ndarray, *, parallel: bool 
         _accumulate_parallel(acc, w32, x, bounds)
 
 
-def _round_mean(theta: object, buf: object, weights: object, xs: object, lr: object, mu: object,
-                parallel: bool) -> None:
+def _round_mean(
+    theta: object, buf: object, weights: object, xs: object, lr: object, mu: object, parallel: bool
+) -> None:
     step = buf is not None
     theta = _checks.vector("theta" if step else "out", theta, np.float32, writeable=True)
     n = theta.size
@@ -131,8 +132,16 @@ def round_mean(out: np.ndarray, weights: np.ndarray, xs: Sequence[np.ndarray], *
     _round_mean(out, None, weights, xs, None, None, parallel)
 
 
-def round_mean_step(theta: np.ndarray, buf: np.ndarray, weights: np.ndarray, xs: Sequence[np.ndarray], lr: float,
-                    mu: float, *, parallel: bool = True) -> None:
+def round_mean_step(
+    theta: np.ndarray,
+    buf: np.ndarray,
+    weights: np.ndarray,
+    xs: Sequence[np.ndarray],
+    lr: float,
+    mu: float,
+    *,
+    parallel: bool = True,
+) -> None:
     """The merged mean g of `round_mean` (never materialised) and `nesterov_step(theta, buf, g, lr, mu)`
     in place, in one pass over the fragment, with the same bits."""
     _round_mean(theta, buf, weights, xs, lr, mu, parallel)

@@ -284,8 +284,9 @@ def _quantize_parallel(x, xbits, codes, scales, block, bits, bounds):
     for s in prange(bounds.size - 1):
         a = bounds[s]
         b = bounds[s + 1]
-        nonfinite += _quantize_serial(x[a:b], xbits[a:b], codes[a * bits // 8 : b * bits // 8],
-                                      scales[a // block : b // block], block, bits)
+        nonfinite += _quantize_serial(
+            x[a:b], xbits[a:b], codes[a * bits // 8 : b * bits // 8], scales[a // block : b // block], block, bits
+        )
     return nonfinite
 
 
@@ -313,8 +314,9 @@ def _decode_parallel(out, weight, codes, scales, block, bits, add, bounds):
     for s in prange(bounds.size - 1):
         a = bounds[s]
         b = bounds[s + 1]
-        _decode_serial(out[a:b], weight, codes[a * bits // 8 : b * bits // 8], scales[a // block : b // block],
-                       block, bits, add)
+        _decode_serial(
+            out[a:b], weight, codes[a * bits // 8 : b * bits // 8], scales[a // block : b // block], block, bits, add
+        )
 
 
 @njit(nogil=True, cache=True)
@@ -334,9 +336,17 @@ def _quantize_delta_parallel(base, theta, residual, out_residual, codes, scales,
         a = bounds[s]
         b = bounds[s + 1]
         ra, rb = (a, b) if feedback else (0, 0)
-        nonfinite += _quantize_delta_serial(base[a:b], theta[a:b], residual[ra:rb], out_residual[ra:rb],
-                                            codes[a * bits // 8 : b * bits // 8], scales[a // block : b // block],
-                                            block, bits, feedback)
+        nonfinite += _quantize_delta_serial(
+            base[a:b],
+            theta[a:b],
+            residual[ra:rb],
+            out_residual[ra:rb],
+            codes[a * bits // 8 : b * bits // 8],
+            scales[a // block : b // block],
+            block,
+            bits,
+            feedback,
+        )
     return nonfinite
 
 
@@ -356,8 +366,9 @@ def _apply_delta_parallel(theta, base, codes, scales, block, bits, bounds):
     for s in prange(bounds.size - 1):
         a = bounds[s]
         b = bounds[s + 1]
-        _apply_delta_serial(theta[a:b], base[a:b], codes[a * bits // 8 : b * bits // 8],
-                            scales[a // block : b // block], block, bits)
+        _apply_delta_serial(
+            theta[a:b], base[a:b], codes[a * bits // 8 : b * bits // 8], scales[a // block : b // block], block, bits
+        )
 
 
 # ---- a round's merge, fused: every contribution decoded, weighted and summed per tile ----
@@ -445,24 +456,34 @@ class BlockCodec:
         self._decode(out, 1.0, codes, scales, block, False, parallel)
         return out
 
-    def accumulate(self, acc: object, weight: object, codes: object, scales: object, block: object,
-                   parallel: bool) -> None:
+    def accumulate(
+        self, acc: object, weight: object, codes: object, scales: object, block: object, parallel: bool
+    ) -> None:
         _checks.vector("acc", acc, np.float32, writeable=True)
         weight = _checks.finite_scalar("weight", weight)
         block, _, codes, scales = _checks.coded(codes, scales, block, self.per_byte, acc.size)
         _checks.disjoint(acc=acc, codes=codes, scales=scales)
         self._decode(acc, weight, codes, scales, block, True, parallel)
 
-    def _decode(self, out: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int, add: bool,
-                parallel: bool) -> None:
+    def _decode(
+        self,
+        out: np.ndarray,
+        weight: float,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        block: int,
+        add: bool,
+        parallel: bool,
+    ) -> None:
         bounds = thread_bounds(out.size, block, parallel)
         if bounds is None:
             _decode_serial(out, weight, codes, scales, block, self.bits, add)
         else:
             _decode_parallel(out, weight, codes, scales, block, self.bits, add, bounds)
 
-    def quantize_delta(self, base: object, theta: object, residual: object, block: object,
-                       parallel: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def quantize_delta(
+        self, base: object, theta: object, residual: object, block: object, parallel: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         block = _checks.block_size(block, self.per_byte)
         base = _checks.vector("base", base, np.float32)
         theta = _checks.vector("theta", theta, np.float32)
@@ -484,8 +505,9 @@ class BlockCodec:
             raise KernelInputError(f"base - theta (+ residual) has NaN or Inf values in {bad} of its {blocks} blocks")
         return codes, scales, out_residual if feedback else None
 
-    def apply_delta(self, theta: object, base: object, codes: object, scales: object, block: object,
-                    parallel: bool) -> None:
+    def apply_delta(
+        self, theta: object, base: object, codes: object, scales: object, block: object, parallel: bool
+    ) -> None:
         _checks.vector("theta", theta, np.float32, writeable=True)
         _checks.vector("base", base, np.float32, writeable=True)
         _checks.length("base", base, theta.size)
@@ -497,8 +519,18 @@ class BlockCodec:
         else:
             _apply_delta_parallel(theta, base, codes, scales, block, self.bits, bounds)
 
-    def round_mean(self, theta: object, buf: object, weights: object, codes: object, scales: object, block: object,
-                   lr: object, mu: object, parallel: bool) -> None:
+    def round_mean(
+        self,
+        theta: object,
+        buf: object,
+        weights: object,
+        codes: object,
+        scales: object,
+        block: object,
+        lr: object,
+        mu: object,
+        parallel: bool,
+    ) -> None:
         """The fused mean of a round: with `buf` None, theta = sum_m weights[m] * decode_m (theta is the
         output); else that sum is the outer gradient of a Nesterov step on theta and buf, in place."""
         step = buf is not None
@@ -528,6 +560,7 @@ class BlockCodec:
         else:
             _round_mean_parallel(*args, step, lr32, mu32, tile, bounds)
 
+
 INT4 = BlockCodec(4)
 INT2 = BlockCodec(2)
 INT1 = BlockCodec(1)
@@ -543,14 +576,27 @@ def quantize_int4(x: np.ndarray, block: int = _DEFAULT, *, parallel: bool = True
     return INT4.quantize(x, block, parallel)
 
 
-def dequantize_int4(codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *, out: np.ndarray | None = None,
-                    parallel: bool = True) -> np.ndarray:
+def dequantize_int4(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    out: np.ndarray | None = None,
+    parallel: bool = True,
+) -> np.ndarray:
     """float32[n] = code * scale of each value; n = scales.size * block. Writes into `out` if given."""
     return INT4.dequantize(codes, scales, block, out, parallel)
 
 
-def accumulate_int4(acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *,
-                    parallel: bool = True) -> None:
+def accumulate_int4(
+    acc: np.ndarray,
+    weight: float,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """acc += weight * dequantize_int4(codes, scales) in place, without materialising the fp32 vector."""
     INT4.accumulate(acc, weight, codes, scales, block, parallel)
 
@@ -560,14 +606,27 @@ def quantize_int2(x: np.ndarray, block: int = _DEFAULT, *, parallel: bool = True
     return INT2.quantize(x, block, parallel)
 
 
-def dequantize_int2(codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *, out: np.ndarray | None = None,
-                    parallel: bool = True) -> np.ndarray:
+def dequantize_int2(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    out: np.ndarray | None = None,
+    parallel: bool = True,
+) -> np.ndarray:
     """float32[n] = level * scale of each value; n = scales.size * block."""
     return INT2.dequantize(codes, scales, block, out, parallel)
 
 
-def accumulate_int2(acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *,
-                    parallel: bool = True) -> None:
+def accumulate_int2(
+    acc: np.ndarray,
+    weight: float,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """acc += weight * dequantize_int2(codes, scales) in place, fused."""
     INT2.accumulate(acc, weight, codes, scales, block, parallel)
 
@@ -577,21 +636,39 @@ def quantize_int1(x: np.ndarray, block: int = _DEFAULT, *, parallel: bool = True
     return INT1.quantize(x, block, parallel)
 
 
-def dequantize_int1(codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *, out: np.ndarray | None = None,
-                    parallel: bool = True) -> np.ndarray:
+def dequantize_int1(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    out: np.ndarray | None = None,
+    parallel: bool = True,
+) -> np.ndarray:
     """float32[n] = +-scale of each value; n = scales.size * block."""
     return INT1.dequantize(codes, scales, block, out, parallel)
 
 
-def accumulate_int1(acc: np.ndarray, weight: float, codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *,
-                    parallel: bool = True) -> None:
+def accumulate_int1(
+    acc: np.ndarray,
+    weight: float,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """acc += weight * dequantize_int1(codes, scales) in place, fused."""
     INT1.accumulate(acc, weight, codes, scales, block, parallel)
 
 
-def quantize_delta_int4(base: np.ndarray, theta: np.ndarray, residual: np.ndarray | None = None,
-                        block: int = _DEFAULT, *, parallel: bool = True
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def quantize_delta_int4(
+    base: np.ndarray,
+    theta: np.ndarray,
+    residual: np.ndarray | None = None,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A learner's outer gradient, quantised in one pass: target = (base - theta) + residual (residual
     omitted: none), returns (codes, scales) of quantize_int4(target) and the new error-feedback
     residual target - dequantize_int4(codes, scales) as a fresh array (None without a residual).
@@ -599,23 +676,46 @@ def quantize_delta_int4(base: np.ndarray, theta: np.ndarray, residual: np.ndarra
     return INT4.quantize_delta(base, theta, residual, block, parallel)
 
 
-def apply_delta_int4(theta: np.ndarray, base: np.ndarray, codes: np.ndarray, scales: np.ndarray,
-                     block: int = _DEFAULT, *, parallel: bool = True) -> None:
+def apply_delta_int4(
+    theta: np.ndarray,
+    base: np.ndarray,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """An arrived int4 delta d = dequantize_int4(codes, scales), applied in one pass and in place:
     theta += d and base += d (the learner's own progress since its base is kept)."""
     INT4.apply_delta(theta, base, codes, scales, block, parallel)
 
 
-def round_mean_int4(out: np.ndarray, weights: np.ndarray, codes: Sequence[np.ndarray], scales: Sequence[np.ndarray],
-                    block: int = _DEFAULT, *, parallel: bool = True) -> None:
+def round_mean_int4(
+    out: np.ndarray,
+    weights: np.ndarray,
+    codes: Sequence[np.ndarray],
+    scales: Sequence[np.ndarray],
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """out = sum_m weights[m] * dequantize_int4(codes[m], scales[m]), every contribution read once in one
     pass: bit for bit `accumulate_int4` into zeros, one contribution after the other in this order."""
     INT4.round_mean(out, None, weights, codes, scales, block, None, None, parallel)
 
 
-def round_mean_step_int4(theta: np.ndarray, buf: np.ndarray, weights: np.ndarray, codes: Sequence[np.ndarray],
-                         scales: Sequence[np.ndarray], lr: float, mu: float, block: int = _DEFAULT, *,
-                         parallel: bool = True) -> None:
+def round_mean_step_int4(
+    theta: np.ndarray,
+    buf: np.ndarray,
+    weights: np.ndarray,
+    codes: Sequence[np.ndarray],
+    scales: Sequence[np.ndarray],
+    lr: float,
+    mu: float,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """One round of the syncer in one pass over the fragment: the merged mean g of `round_mean_int4`
     (never materialised) and `nesterov_step(theta, buf, g, lr, mu)` in place, with the same bits."""
     INT4.round_mean(theta, buf, weights, codes, scales, block, lr, mu, parallel)

@@ -37,8 +37,9 @@ def _nesterov_parallel(theta, buf, g, lr, mu, bounds):
         _nesterov_serial(theta[a:b], buf[a:b], g[a:b], lr, mu)
 
 
-def nesterov_step(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, mu: float, *,
-                  parallel: bool = True) -> None:
+def nesterov_step(
+    theta: np.ndarray, buf: np.ndarray, g: np.ndarray, lr: float, mu: float, *, parallel: bool = True
+) -> None:
     """One outer step in place on float32[n] `theta` and momentum `buf`, with outer gradient `g`."""
     _checks.vector("theta", theta, np.float32, writeable=True)
     _checks.vector("buf", buf, np.float32, writeable=True)

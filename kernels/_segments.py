@@ -28,7 +28,14 @@ from numba import njit, prange
 
 from ddiloco.kernels import _checks
 from ddiloco.kernels._errors import KernelInputError
-from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, slice_bounds, thread_bounds, tile_elements, typed_list, use_parallel
+from ddiloco.kernels._parallelism import (
+    CHUNK_ELEMENTS,
+    slice_bounds,
+    thread_bounds,
+    tile_elements,
+    typed_list,
+    use_parallel,
+)
 
 _CODE_OFFSET = 8  # int4 nibbles hold code + 8, see _int4
 
@@ -233,7 +240,9 @@ def _rda_int4_range(acc, unit_weight, codes, scales, block, lo, hi):
         else:
             stop = min(base + block, hi)
             factor = unit_weight * np.float64(scales[k])
-            _rda_int4_piece(acc[base : base + block], factor, codes[k * half : (k + 1) * half], pos - base, stop - base, half)
+            _rda_int4_piece(
+                acc[base : base + block], factor, codes[k * half : (k + 1) * half], pos - base, stop - base, half
+            )
             pos = stop
 
 
@@ -252,7 +261,9 @@ def _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, a, b, seg
 @njit(parallel=True, nogil=True, cache=True)
 def _rda_int4_parallel(acc, weight, codes, scales, offsets, norms, block, bounds, end, seg_first):
     for s in prange(bounds.size - 1):
-        _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, bounds[s], min(bounds[s + 1], end), seg_first[s])
+        _rda_int4_slice(
+            acc, weight, codes, scales, offsets, norms, block, bounds[s], min(bounds[s + 1], end), seg_first[s]
+        )
 
 
 # ---- a round's RDA: every contribution accumulated in one pass, the scaling fused into the outer step ----
@@ -276,8 +287,9 @@ def _rda_round_range(acc, weights, xs, codes, scales, offsets, norms, block, int
 @njit(parallel=True, nogil=True, cache=True)
 def _rda_round_parallel(acc, weights, xs, codes, scales, offsets, norms, block, int4, end, tile, bounds):
     for s in prange(bounds.size - 1):
-        _rda_round_range(acc, weights, xs, codes, scales, offsets, norms, block, int4, bounds[s],
-                         min(bounds[s + 1], end), tile)
+        _rda_round_range(
+            acc, weights, xs, codes, scales, offsets, norms, block, int4, bounds[s], min(bounds[s + 1], end), tile
+        )
 
 
 @njit(nogil=True, cache=True)
@@ -342,7 +354,11 @@ def segment_sumsq(x: np.ndarray, offsets: np.ndarray, *, parallel: bool = True) 
 
 
 def segment_sumsq_int4(
-    codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int = _checks.BLOCK_DEFAULT, *,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    offsets: np.ndarray,
+    block: int = _checks.BLOCK_DEFAULT,
+    *,
     parallel: bool = True,
 ) -> np.ndarray:
     """segment_sumsq of the int4-coded vector, from the codes (never materialised).
@@ -374,8 +390,9 @@ def _check_rda(
     return weight, int(offsets[-1]), offsets, norms
 
 
-def rda_accumulate(acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray, *,
-                   parallel: bool = True) -> None:
+def rda_accumulate(
+    acc: np.ndarray, weight: float, x: np.ndarray, offsets: np.ndarray, norms: np.ndarray, *, parallel: bool = True
+) -> None:
     """For each tensor i: acc[seg] += weight * x[seg] / norms[i], nothing where norms[i] == 0.
 
     The factor weight / norms[i] and its product with x are float64; each term is rounded to float32
@@ -414,9 +431,9 @@ def rda_accumulate_int4(
     if bounds is None:
         _rda_int4_slice(acc, weight, codes, scales, offsets, norms, block, 0, end, _first_segment(offsets))
     else:
-        _rda_int4_parallel(acc, weight, codes, scales, offsets, norms, block, bounds, end,
-                           _piece_plan(offsets, bounds, end)[0])
-
+        _rda_int4_parallel(
+            acc, weight, codes, scales, offsets, norms, block, bounds, end, _piece_plan(offsets, bounds, end)[0]
+        )
 
 
 def _readonly_empty(dtype: type) -> np.ndarray:
@@ -431,8 +448,17 @@ _UNUSED_F32 = (_readonly_empty(np.float32),)
 _UNUSED_U8 = (_readonly_empty(np.uint8),)
 
 
-def _rda_round(acc: object, weights: object, xs: object, codes: object, scales: object, offsets: object,
-               norms: object, block: object, parallel: bool) -> None:
+def _rda_round(
+    acc: object,
+    weights: object,
+    xs: object,
+    codes: object,
+    scales: object,
+    offsets: object,
+    norms: object,
+    block: object,
+    parallel: bool,
+) -> None:
     int4 = xs is None
     _checks.vector("acc", acc, np.float32, writeable=True)
     weights = _checks.weights(weights)
@@ -467,24 +493,48 @@ def _rda_round(acc: object, weights: object, xs: object, codes: object, scales: 
         _rda_round_parallel(*args, end, tile, bounds)
 
 
-def rda_accumulate_round(acc: np.ndarray, weights: np.ndarray, xs: Sequence[np.ndarray], offsets: np.ndarray,
-                         norms: np.ndarray, *, parallel: bool = True) -> None:
+def rda_accumulate_round(
+    acc: np.ndarray,
+    weights: np.ndarray,
+    xs: Sequence[np.ndarray],
+    offsets: np.ndarray,
+    norms: np.ndarray,
+    *,
+    parallel: bool = True,
+) -> None:
     """Every contribution of a round in one pass: for m in order, rda_accumulate(acc, weights[m], xs[m],
     offsets, norms[m]), with the same bits; norms is float64[m, k]. Each contribution is read once and
     each tile of `acc` stays in cache while they are added."""
     _rda_round(acc, weights, xs, None, None, offsets, norms, 0, parallel)
 
 
-def rda_accumulate_round_int4(acc: np.ndarray, weights: np.ndarray, codes: Sequence[np.ndarray],
-                              scales: Sequence[np.ndarray], offsets: np.ndarray, norms: np.ndarray,
-                              block: int = _checks.BLOCK_DEFAULT, *, parallel: bool = True) -> None:
+def rda_accumulate_round_int4(
+    acc: np.ndarray,
+    weights: np.ndarray,
+    codes: Sequence[np.ndarray],
+    scales: Sequence[np.ndarray],
+    offsets: np.ndarray,
+    norms: np.ndarray,
+    block: int = _checks.BLOCK_DEFAULT,
+    *,
+    parallel: bool = True,
+) -> None:
     """rda_accumulate_round of int4-coded contributions: for m in order, rda_accumulate_int4(acc,
     weights[m], codes[m], scales[m], offsets, norms[m], block), in one pass and with the same bits."""
     _rda_round(acc, weights, None, codes, scales, offsets, norms, block, parallel)
 
 
-def nesterov_step_segments(theta: np.ndarray, buf: np.ndarray, g: np.ndarray, offsets: np.ndarray,
-                           factors: np.ndarray, lr: float, mu: float, *, parallel: bool = True) -> None:
+def nesterov_step_segments(
+    theta: np.ndarray,
+    buf: np.ndarray,
+    g: np.ndarray,
+    offsets: np.ndarray,
+    factors: np.ndarray,
+    lr: float,
+    mu: float,
+    *,
+    parallel: bool = True,
+) -> None:
     """The outer step with outer gradient g scaled per tensor, in one pass: nesterov_step(theta, buf,
     g * factors[i] on tensor i, lr, mu), g unscaled past offsets[-1] (padding); `g` is not modified.
     The products are float32, so the bits are those of `g[seg] *= factors[i]` then nesterov_step."""

@@ -29,8 +29,18 @@ RESTARTS_MAX = 10_000
 READY_S_MAX = 3600.0
 
 # Flags the launcher sets itself; passing them through would contradict what it set.
-SYNCER_FLAGS_OWNED = ("--host", "--port", "--auth-token-file", "--checkpoint-dir", "--resume", "--init",
-                      "--tls-cert", "--tls-key", "--insecure-no-auth", "--allow-shared-token")
+SYNCER_FLAGS_OWNED = (
+    "--host",
+    "--port",
+    "--auth-token-file",
+    "--checkpoint-dir",
+    "--resume",
+    "--init",
+    "--tls-cert",
+    "--tls-key",
+    "--insecure-no-auth",
+    "--allow-shared-token",
+)
 LEARNER_FLAGS_OWNED = ("--syncer", "--token-file", "--shard", "--name", "--tls-ca")
 _ANY_INTERFACE = ("0.0.0.0", "::", "")
 
@@ -77,7 +87,10 @@ class LaunchConfig:
                 raise ValueError(f"{what} must lie in (0, 1024], got {cpus}")
         if self.learner_gpus is not None and not 0 <= self.learner_gpus <= 64:
             raise ValueError(f"learner_gpus must lie in [0, 64], got {self.learner_gpus}")
-        for what, n in (("syncer_max_restarts", self.syncer_max_restarts), ("learner_max_restarts", self.learner_max_restarts)):
+        for what, n in (
+            ("syncer_max_restarts", self.syncer_max_restarts),
+            ("learner_max_restarts", self.learner_max_restarts),
+        ):
             if not -1 <= n <= RESTARTS_MAX:
                 raise ValueError(f"{what} must lie in [-1 (no limit), {RESTARTS_MAX}], got {n}")
         if not 0 < self.ready_s_max <= READY_S_MAX:
@@ -111,23 +124,41 @@ def syncer_urls(config: LaunchConfig, node_address: str) -> tuple[str, str]:
     return f"ws{secure}://{host}:{config.port}/ws", f"http{secure}://{host}:{config.port}"
 
 
-def syncer_argv(config: LaunchConfig, token_file: Path, resume: bool,
-                tls_files: tuple[Path, Path] | None = None) -> list[str]:
+def syncer_argv(
+    config: LaunchConfig, token_file: Path, resume: bool, tls_files: tuple[Path, Path] | None = None
+) -> list[str]:
     """The arguments of `ddiloco syncer`: a restarted one resumes from its newest checkpoint."""
-    args = ["--host", config.host, "--port", str(config.port), "--auth-token-file", str(token_file),
-            "--resume" if resume else "--checkpoint-dir", str(config.checkpoint_dir)]
+    args = [
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--auth-token-file",
+        str(token_file),
+        "--resume" if resume else "--checkpoint-dir",
+        str(config.checkpoint_dir),
+    ]
     if tls_files is not None:
         args += ["--tls-cert", str(tls_files[0]), "--tls-key", str(tls_files[1])]
     return args + list(config.syncer_args)
 
 
-def learner_argv(config: LaunchConfig, index: int, syncer_url: str, token_file: Path,
-                 ca_file: Path | None = None) -> list[str]:
+def learner_argv(
+    config: LaunchConfig, index: int, syncer_url: str, token_file: Path, ca_file: Path | None = None
+) -> list[str]:
     """The arguments of learner `index`'s `ddiloco learner`: its shard of the data and its name."""
     if not 0 <= index < config.learners:
         raise ValueError(f"learner index must lie in [0, {config.learners}), got {index}")
-    args = ["--syncer", syncer_url, "--token-file", str(token_file), "--shard", f"{index}/{config.learners}",
-            "--name", f"learner-{index}"]
+    args = [
+        "--syncer",
+        syncer_url,
+        "--token-file",
+        str(token_file),
+        "--shard",
+        f"{index}/{config.learners}",
+        "--name",
+        f"learner-{index}",
+    ]
     if ca_file is not None:
         args += ["--tls-ca", str(ca_file)]
     return args + list(config.learner_args)

@@ -87,8 +87,13 @@ class Supervised:
     called from the watcher thread when the child exits and no `stop` asked for it.
     """
 
-    def __init__(self, argv: Sequence[str], log_path: Path, on_exit: Callable[[int], None] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        on_exit: Callable[[int], None] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.on_exit = on_exit
@@ -104,8 +109,14 @@ class Supervised:
             log.flush()
             self._log_start = log.tell()  # after the header: its command line is not the child's output
             try:
-                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509 - see _PRCTL
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    preexec_fn=_die_with_parent,
+                )  # noqa: PLW1509 - see _PRCTL
             except OSError as exc:
                 raise LaunchError(f"cannot start {self.argv[:4]}: {exc}") from exc
         threading.Thread(target=self._watch, name=f"ddiloco-watch-{self.proc.pid}", daemon=True).start()
@@ -146,8 +157,10 @@ class Supervised:
                         return match
                     continue
                 if self.returncode is not None:
-                    raise LaunchError(f"{' '.join(self.argv[2:4])} exited with {self.returncode} before it was ready; "
-                                      f"see {self.log_path}")
+                    raise LaunchError(
+                        f"{' '.join(self.argv[2:4])} exited with {self.returncode} before it was ready; "
+                        f"see {self.log_path}"
+                    )
                 if time.monotonic() > deadline:
                     raise LaunchError(f"{' '.join(self.argv[2:4])} not ready within {timeout_s} s; see {self.log_path}")
                 time.sleep(0.1)  # nothing new in the file yet: poll it again

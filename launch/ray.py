@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
 from ddiloco.launch.plan import LaunchConfig, learner_argv, syncer_argv, syncer_urls
 from ddiloco.launch.process import LaunchError, PrivateDir, Supervised, ddiloco_command
 from ddiloco.net import store
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 __all__ = ["LearnerActor", "RayLaunch", "SyncerActor", "launch"]
 
@@ -71,8 +72,10 @@ def _resume_from(checkpoint_dir: Path) -> bool:
         return True
     except store.StoreError as exc:
         if checkpoint_dir.is_dir() and any(store.runs_in(checkpoint_dir)):
-            raise LaunchError(f"no valid checkpoint in {checkpoint_dir} though it holds some ({exc}): "
-                              "not starting over them; move them away to start afresh") from exc
+            raise LaunchError(
+                f"no valid checkpoint in {checkpoint_dir} though it holds some ({exc}): "
+                "not starting over them; move them away to start afresh"
+            ) from exc
         return False
 
 
@@ -83,11 +86,17 @@ class SyncerActor:
         self.config = config
         self.files = PrivateDir("ddiloco-syncer-")
         token_file = self.files.write("token", config.token + "\n")
-        tls_files = (self.files.write("tls.crt", config.tls_cert), self.files.write("tls.key", config.tls_key)) if config.tls else None
+        tls_files = (
+            (self.files.write("tls.crt", config.tls_cert), self.files.write("tls.key", config.tls_key))
+            if config.tls
+            else None
+        )
         self.ca_file = self.files.write("ca.crt", config.tls_ca) if config.tls_ca is not None else None
         deadline = time.monotonic() + config.ready_s_max
         while True:
-            self.resumed = _resume_from(config.checkpoint_dir)  # decided per try: a predecessor may just have written one
+            self.resumed = _resume_from(
+                config.checkpoint_dir
+            )  # decided per try: a predecessor may just have written one
             argv = ddiloco_command("syncer", syncer_argv(config, token_file, self.resumed, tls_files))
             self.child = Supervised(argv, config.log_dir / "syncer.log")
             self.child.start()
@@ -95,7 +104,9 @@ class SyncerActor:
                 self.child.wait_for_line(_LISTENING, max(1.0, deadline - time.monotonic()))
                 break
             except LaunchError:
-                busy = self.child.returncode is not None and _PORT_BUSY.search(self.child.run_output(RUN_OUTPUT_BYTES_MAX))
+                busy = self.child.returncode is not None and _PORT_BUSY.search(
+                    self.child.run_output(RUN_OUTPUT_BYTES_MAX)
+                )
                 if not busy or time.monotonic() + PORT_RETRY_S > deadline:
                     self.child.stop()
                     self.files.close()
@@ -111,7 +122,9 @@ class SyncerActor:
 
     def status(self) -> dict[str, Any]:
         """The syncer's /status document, read on its own node through the URL the learners use."""
-        context = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None) if self.config.tls else None
+        context = (
+            ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None) if self.config.tls else None
+        )
         with urllib.request.urlopen(f"{self.status_url}/status", timeout=STATUS_TIMEOUT_S, context=context) as resp:
             return json.loads(resp.read())
 
@@ -179,8 +192,10 @@ class RayLaunch:
                 try:
                     code = ray.get(actor.poll.remote(), timeout=poll_s)
                 except ActorDiedError as exc:
-                    raise LaunchError(f"learner {index} is gone for good (restarts spent?): {exc}; "
-                                      f"see {self.config.log_dir / f'learner-{index}.log'}") from exc
+                    raise LaunchError(
+                        f"learner {index} is gone for good (restarts spent?): {exc}; "
+                        f"see {self.config.log_dir / f'learner-{index}.log'}"
+                    ) from exc
                 except (GetTimeoutError, RayActorError):
                     continue  # being restarted
                 if code is not None:
@@ -215,10 +230,16 @@ def launch(config: LaunchConfig) -> RayLaunch:
         ray.init()
     # max_task_retries=-1: a call made while an actor restarts waits for the new one, and fails with
     # ActorDiedError only when Ray has given up on it.
-    syncer = ray.remote(SyncerActor).options(
-        num_cpus=config.syncer_cpus, resources=dict(config.syncer_resources), max_restarts=config.syncer_max_restarts,
-        max_task_retries=-1,
-    ).remote(config)
+    syncer = (
+        ray.remote(SyncerActor)
+        .options(
+            num_cpus=config.syncer_cpus,
+            resources=dict(config.syncer_resources),
+            max_restarts=config.syncer_max_restarts,
+            max_task_retries=-1,
+        )
+        .remote(config)
+    )
     try:
         where = ray.get(syncer.address.remote(), timeout=config.ready_s_max + 60)
     except (GetTimeoutError, RayActorError) as exc:
@@ -226,10 +247,19 @@ def launch(config: LaunchConfig) -> RayLaunch:
         raise LaunchError(f"the syncer did not come up: {exc}; see {config.log_dir / 'syncer.log'}") from exc
     gpus = _learner_gpus(config)
     learner_cls = ray.remote(LearnerActor).options(
-        num_cpus=config.learner_cpus, num_gpus=gpus, resources=dict(config.learner_resources),
-        max_restarts=config.learner_max_restarts, max_task_retries=-1, scheduling_strategy="SPREAD",
+        num_cpus=config.learner_cpus,
+        num_gpus=gpus,
+        resources=dict(config.learner_resources),
+        max_restarts=config.learner_max_restarts,
+        max_task_retries=-1,
+        scheduling_strategy="SPREAD",
     )
     learners = [learner_cls.remote(config, i, where["url"]) for i in range(config.learners)]
-    log.info("launched: syncer at %s (%s), %d learners (%s GPU each)", where["url"],
-             "resumed" if where["resumed"] else "fresh", config.learners, gpus)
+    log.info(
+        "launched: syncer at %s (%s), %d learners (%s GPU each)",
+        where["url"],
+        "resumed" if where["resumed"] else "fresh",
+        config.learners,
+        gpus,
+    )
     return RayLaunch(config, syncer, learners, where["url"], where["status_url"])

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import SyncerState
-from ddiloco.net import store
 from ddiloco.errors import UserError
+from ddiloco.net import store
 
 FORMATS = ("safetensors", "npz", "orbax")
 # A value of float32 may go into leaves of these dtypes (the syncer keeps float32 copies of them).
@@ -79,13 +80,21 @@ def export(source: str | Path, out: str | Path, fmt: str) -> Exported:
     """Write the global parameters of the checkpoint at `source` (see `read_checkpoint`) to `out`."""
     state, path = read_checkpoint(source)
     tensors = global_params(state)
-    metadata = {"ddiloco.checkpoint": path.name, "ddiloco.merges": str(state.merges),
-                "ddiloco.global_step": str(state.global_step), "ddiloco.layout": state.layout.digest}
+    metadata = {
+        "ddiloco.checkpoint": path.name,
+        "ddiloco.merges": str(state.merges),
+        "ddiloco.global_step": str(state.global_step),
+        "ddiloco.layout": state.layout.digest,
+    }
     write_params(tensors, out, fmt, metadata)
-    return Exported(Path(out), path, len(tensors), sum(a.size for a in tensors.values()), state.merges, state.global_step)
+    return Exported(
+        Path(out), path, len(tensors), sum(a.size for a in tensors.values()), state.merges, state.global_step
+    )
 
 
-def write_params(tensors: Mapping[str, np.ndarray], out: str | Path, fmt: str, metadata: Mapping[str, str] | None = None) -> None:
+def write_params(
+    tensors: Mapping[str, np.ndarray], out: str | Path, fmt: str, metadata: Mapping[str, str] | None = None
+) -> None:
     """`tensors` (path -> array) to a new file or directory `out`; `metadata` goes where the format
     keeps some (safetensors' header). An existing `out` is refused: nothing is overwritten."""
     out = Path(out)
@@ -135,8 +144,9 @@ def read_params(path: str | Path) -> dict[str, np.ndarray]:
 
 def load_params(path: str | Path, like: Any) -> Any:
     """The parameters in `path` as a pytree of the structure, shapes and dtypes of `like`."""
-    from ddiloco.learner.tree import leaf_path, put_all_like
     from jax.tree_util import tree_flatten_with_path, tree_unflatten
+
+    from ddiloco.learner.tree import leaf_path, put_all_like
 
     stored = read_params(path)
     flat, treedef = tree_flatten_with_path(like)
@@ -144,8 +154,9 @@ def load_params(path: str | Path, like: Any) -> Any:
     missing = sorted(set(paths) - set(stored))
     unexpected = sorted(set(stored) - set(paths))
     if missing or unexpected:
-        raise ParamsFileError(f"{path} does not hold the leaves of this pytree: missing {_few(missing)}, "
-                              f"unexpected {_few(unexpected)}")
+        raise ParamsFileError(
+            f"{path} does not hold the leaves of this pytree: missing {_few(missing)}, unexpected {_few(unexpected)}"
+        )
     arrays, problems = [], []
     for name, (_, leaf) in zip(paths, flat):
         value, want = stored[name], np.dtype(leaf.dtype)
@@ -156,8 +167,10 @@ def load_params(path: str | Path, like: Any) -> Any:
         else:
             arrays.append(np.asarray(value, dtype=want))
     if problems:
-        raise ParamsFileError(f"{path} does not fit this pytree: {'; '.join(problems[:_LEAVES_NAMED_MAX])}"
-                              + (f" (and {len(problems) - _LEAVES_NAMED_MAX} more)" if len(problems) > _LEAVES_NAMED_MAX else ""))
+        raise ParamsFileError(
+            f"{path} does not fit this pytree: {'; '.join(problems[:_LEAVES_NAMED_MAX])}"
+            + (f" (and {len(problems) - _LEAVES_NAMED_MAX} more)" if len(problems) > _LEAVES_NAMED_MAX else "")
+        )
     return tree_unflatten(treedef, put_all_like(arrays, [leaf for _, leaf in flat]))
 
 

@@ -56,8 +56,13 @@ def _host(leaf: Any) -> np.ndarray:
 
 
 def snapshot_bytes(
-    params: Any, opt_state: Any, step: int, versions: list[int], digest: str,
-    extra_meta: dict | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
+    params: Any,
+    opt_state: Any,
+    step: int,
+    versions: list[int],
+    digest: str,
+    extra_meta: dict | None = None,
+    extra_arrays: dict[str, np.ndarray] | None = None,
 ) -> bytes:
     """The state a peer copies, as `net.peer` snapshot bytes (host copies taken now). A learner's
     local state for a consistent snapshot adds its sync counters (`extra_*`, learner.sync)."""
@@ -67,20 +72,30 @@ def snapshot_bytes(
         opt = {"treedef": str(tree_structure(opt_state)), "leaves": [path for path, _ in _leaves(opt_state)]}
         arrays |= {f"opt/{i}": _host(leaf) for i, (_, leaf) in enumerate(_leaves(opt_state))}
     arrays |= {f"sync/{k}": v for k, v in (extra_arrays or {}).items()}
-    meta = {"format": FORMAT, "step": int(step), "versions": [int(v) for v in versions], "layout_digest": digest, "opt": opt}
+    meta = {
+        "format": FORMAT,
+        "step": int(step),
+        "versions": [int(v) for v in versions],
+        "layout_digest": digest,
+        "opt": opt,
+    }
     if extra_meta:
         meta["sync"] = extra_meta
     return peer.encode_snapshot(meta, arrays)
 
 
-def adopt(snap: peer.Snapshot, params: Any, opt_state: Any, digest: str, current: tuple[int, ...]) -> tuple[Any, Any, int, tuple[int, ...]]:
+def adopt(
+    snap: peer.Snapshot, params: Any, opt_state: Any, digest: str, current: tuple[int, ...]
+) -> tuple[Any, Any, int, tuple[int, ...]]:
     """(params, opt_state, step, versions) from `snap`, each leaf on the local leaf's sharding;
     RecoveryError naming the first thing that does not match. The peer must hold a received
     version of every fragment; one older than the syncer's is fine, since the syncer's update of
     it is already on its way to a recovering learner and overwrites it at the next step."""
     meta = snap.meta
     if meta.get("format") != FORMAT or meta.get("layout_digest") != digest:
-        raise RecoveryError(f"snapshot format {meta.get('format')} / layout {str(meta.get('layout_digest'))[:12]} is not ours")
+        raise RecoveryError(
+            f"snapshot format {meta.get('format')} / layout {str(meta.get('layout_digest'))[:12]} is not ours"
+        )
     versions = tuple(int(v) for v in meta.get("versions", ()))
     if len(versions) != len(current) or min(versions, default=-1) < 0:
         raise RecoveryError(f"snapshot versions {list(versions)} do not cover the syncer's {list(current)}")
@@ -97,19 +112,28 @@ def _put_back(snap: peer.Snapshot, prefix: str, names: list[str], like: Any) -> 
     expected = {prefix + n for n in names}
     present = {k for k in snap.arrays if k.startswith(prefix)}  # (sync/ arrays are read by learner.sync)
     if present != expected:
-        raise RecoveryError(f"snapshot {prefix[:-1]} leaves differ: missing {sorted(expected - present)[:3]}, extra {sorted(present - expected)[:3]}")
+        raise RecoveryError(
+            f"snapshot {prefix[:-1]} leaves differ: missing {sorted(expected - present)[:3]}, extra {sorted(present - expected)[:3]}"
+        )
     out = []
     for name, old in zip(names, leaves):
         arr = snap.arrays[prefix + name]
         old_dtype = np.asarray(old).dtype if not hasattr(old, "dtype") else old.dtype
         if tuple(arr.shape) != tuple(np.shape(old)) or arr.dtype != old_dtype:
-            raise RecoveryError(f"{prefix}{name}: the peer has {arr.dtype}{list(arr.shape)}, we have {old_dtype}{list(np.shape(old))}")
+            raise RecoveryError(
+                f"{prefix}{name}: the peer has {arr.dtype}{list(arr.shape)}, we have {old_dtype}{list(np.shape(old))}"
+            )
         out.append(np.array(arr))
     return tree_unflatten(treedef, put_all_like(out, list(leaves)))
 
 
 def recover(
-    welcome: session.WelcomeInfo, params: Any, opt_state: Any, token: str | None, timeout_s: float, snapshot_bytes_max: int,
+    welcome: session.WelcomeInfo,
+    params: Any,
+    opt_state: Any,
+    token: str | None,
+    timeout_s: float,
+    snapshot_bytes_max: int,
 ) -> Recovered:
     """Copy the first healthy peer that works; otherwise keep `params` and `opt_state` (the syncer's
     fragments arrive by themselves and overwrite every parameter)."""
@@ -132,7 +156,9 @@ def recover(
             log.warning("not recovering from peer %d: %s", candidate.learner, exc)
             continue
         seconds = time.monotonic() - started
-        log.info("recovered step %d and versions %s from peer %d in %.2f s", step, list(versions), candidate.learner, seconds)
+        log.info(
+            "recovered step %d and versions %s from peer %d in %.2f s", step, list(versions), candidate.learner, seconds
+        )
         return Recovered(new_params, new_opt, step, versions, f"peer {candidate.learner}", seconds)
     if healthy:
         log.info("recovering from the syncer's fragments and a fresh optimizer state: no peer could be used")

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Self
 
 import jax
 import numpy as np
+
 from ddiloco.core import codec
 from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, layout_from_description
@@ -120,9 +121,14 @@ class DilocoSync:
     that feeds the syncer core on a virtual clock, full replay one that hands back a recording."""
 
     def __init__(
-        self, params: Any, config: SyncConfig, is_embedding: Callable[[str], bool] = default_is_embedding,
-        transport: Transport | None = None, tape: LearnerTapeWriter | None = None,
-        recover_fn: RecoverFn = recovery.recover, snapshots: SnapshotOutbox | None = None,
+        self,
+        params: Any,
+        config: SyncConfig,
+        is_embedding: Callable[[str], bool] = default_is_embedding,
+        transport: Transport | None = None,
+        tape: LearnerTapeWriter | None = None,
+        recover_fn: RecoverFn = recovery.recover,
+        snapshots: SnapshotOutbox | None = None,
     ):
         self.config = config
         self.is_embedding = is_embedding
@@ -204,14 +210,24 @@ class DilocoSync:
             self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
         tensors = tensor_specs(self._initial, self.is_embedding)
         peer_url = self.peer_server.url if self.peer_server else ""
-        self.client = ThreadedClient(ClientConfig(url=config.url, name=config.name, tensors=tensors, token=config.token,
-                                                  ca_file=config.ca_file, peer_url=peer_url,
-                                                  progress_interval_s=config.progress_interval_s))
+        self.client = ThreadedClient(
+            ClientConfig(
+                url=config.url,
+                name=config.name,
+                tensors=tensors,
+                token=config.token,
+                ca_file=config.ca_file,
+                peer_url=peer_url,
+                progress_interval_s=config.progress_interval_s,
+            )
+        )
         return self.client
 
     def _joined(self) -> tuple[Transport, TreeFragments, Layout]:
         if self.client is None or self.tree is None or self._layout is None:
-            raise NotJoinedError("the learner has not joined the syncer yet: call join() (or step, recover, restore) first")
+            raise NotJoinedError(
+                "the learner has not joined the syncer yet: call join() (or step, recover, restore) first"
+            )
         return self.client, self.tree, self._layout
 
     @property
@@ -287,13 +303,19 @@ class DilocoSync:
         )
         self.recovered_from, self.recovery_s = got.source, got.seconds
         if self.tape is not None:  # the adopted state, as bytes a replay adopts the same way
-            copied = recovery.snapshot_bytes(got.params, got.opt_state, got.step, list(got.versions), layout.digest) if got.versions else None
+            copied = (
+                recovery.snapshot_bytes(got.params, got.opt_state, got.step, list(got.versions), layout.digest)
+                if got.versions
+                else None
+            )
             self.tape.recovered(got.source, got.step, got.versions, copied)
         if got.versions:
             self.step_count = got.step
             # The base is the copied parameters, not the peer's base: the outer gradient this
             # learner pushes then holds its own progress only, not a second copy of the peer's.
-            self.fragments = tuple(FragmentSync().received(v, tree.gather(got.params, q)) for q, v in enumerate(got.versions))
+            self.fragments = tuple(
+                FragmentSync().received(v, tree.gather(got.params, q)) for q, v in enumerate(got.versions)
+            )
         return got.params, got.opt_state
 
     def restore(self, params: Any, opt_state: Any, data: bytes) -> tuple[Any, Any]:
@@ -306,18 +328,29 @@ class DilocoSync:
         sync_meta = snap.meta.get("sync")
         if not isinstance(sync_meta, dict):
             raise recovery.RecoveryError("not a learner's local state of a snapshot (no sync state in it)")
-        params, opt_state, step, versions = recovery.adopt(snap, params, opt_state, layout.digest, tuple(welcome.versions))
+        params, opt_state, step, versions = recovery.adopt(
+            snap, params, opt_state, layout.digest, tuple(welcome.versions)
+        )
         if any(v > w for v, w in zip(versions, welcome.versions)):
-            raise recovery.RecoveryError(f"the local state holds versions {list(versions)}, newer than the syncer's "
-                                         f"{list(welcome.versions)}: they are not from the same snapshot")
+            raise recovery.RecoveryError(
+                f"the local state holds versions {list(versions)}, newer than the syncer's "
+                f"{list(welcome.versions)}: they are not from the same snapshot"
+            )
         p = layout.num_fragments
         missing = [q for q in range(p) if f"sync/base/{q}" not in snap.arrays]
         if missing:
             raise recovery.RecoveryError(f"the local state has no base of fragments {missing}")
         self.step_count = step
         self.fragments = tuple(
-            FragmentSync(versions[q], np.array(snap.arrays[f"sync/base/{q}"]), int(sync_meta["steps"][q]), int(sync_meta["tokens"][q]),
-                         codec.FeedbackState(np.array(snap.arrays[f"sync/feedback/{q}"])) if f"sync/feedback/{q}" in snap.arrays else None)
+            FragmentSync(
+                versions[q],
+                np.array(snap.arrays[f"sync/base/{q}"]),
+                int(sync_meta["steps"][q]),
+                int(sync_meta["tokens"][q]),
+                codec.FeedbackState(np.array(snap.arrays[f"sync/feedback/{q}"]))
+                if f"sync/feedback/{q}" in snap.arrays
+                else None,
+            )
             for q in range(p)
         )
         self.recovered_from = "snapshot"
@@ -361,7 +394,9 @@ class DilocoSync:
         if all(f.version >= 0 for f in self.fragments):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live).
-            client.progress(session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens)))
+            client.progress(
+                session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
+            )
         for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
             # pushes made so far, which is what makes the cut consistent.
@@ -390,19 +425,25 @@ class DilocoSync:
         if frag.base is None or req.base_version != frag.version:
             return
         client, tree, layout = self._joined()
-        payload, feedback = _encode_delta(frag.base - tree.gather(params, req.fragment), frag.feedback, self.config, layout.block,
-                                          self.parallel_kernels)
+        payload, feedback = _encode_delta(
+            frag.base - tree.gather(params, req.fragment),
+            frag.feedback,
+            self.config,
+            layout.block,
+            self.parallel_kernels,
+        )
         self._set(req.fragment, frag._replace(feedback=feedback))
         # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
         # the hook knows it (the syncer takes the sender from the connection, not from the push).
-        push = Push(self.learner_id, req.fragment, req.round, req.base_version, frag.steps, frag.tokens,
-                    codec.parse(payload))
+        push = Push(
+            self.learner_id, req.fragment, req.round, req.base_version, frag.steps, frag.tokens, codec.parse(payload)
+        )
         if self.tape is not None:
             self.tape.push(self.calls, push)
         client.push(push)
 
     def _set(self, q: int, frag: FragmentSync) -> None:
-        self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1:]
+        self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1 :]
 
     # ---- state out -----------------------------------------------------------------------------------
 
@@ -455,10 +496,12 @@ def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
     return encoded.decode(parallel=parallel)
 
 
-def _encode_delta(delta: np.ndarray, feedback: codec.FeedbackState | None, config: SyncConfig, block: int, parallel: bool
-                  ) -> tuple[bytes, codec.FeedbackState | None]:
+def _encode_delta(
+    delta: np.ndarray, feedback: codec.FeedbackState | None, config: SyncConfig, block: int, parallel: bool
+) -> tuple[bytes, codec.FeedbackState | None]:
     """An outer gradient as push bytes; with error feedback, also the residual it leaves for the next."""
     if not config.error_feedback:
         return codec.encode(delta, config.codec, block, parallel=parallel), feedback
-    return codec.encode_with_feedback(delta, feedback or codec.feedback_init(delta.size), config.codec, block,
-                                      parallel=parallel)
+    return codec.encode_with_feedback(
+        delta, feedback or codec.feedback_init(delta.size), config.codec, block, parallel=parallel
+    )

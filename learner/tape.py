@@ -28,8 +28,19 @@ from ddiloco.core import tape as tapes
 from ddiloco.core.events import Push
 from ddiloco.net import recording, session
 
-__all__ = ["KINDS", "MAGIC", "TAPE_FILE", "LearnerTape", "LearnerTapeError", "LearnerTapeWriter", "config_json", "payload_body",
-           "payload_sha256", "read", "sha256"]
+__all__ = [
+    "KINDS",
+    "MAGIC",
+    "TAPE_FILE",
+    "LearnerTape",
+    "LearnerTapeError",
+    "LearnerTapeWriter",
+    "config_json",
+    "payload_body",
+    "payload_sha256",
+    "read",
+    "sha256",
+]
 
 MAGIC = b"DDLTAPE\x01"
 TAPE_FILE = "learner.ddtp"
@@ -60,8 +71,9 @@ def _welcome_json(w: session.WelcomeInfo) -> dict:
 
 def _welcome(d: dict) -> session.WelcomeInfo:
     peers = tuple(session.PeerInfo(p["learner"], p["url"], tuple(p["versions"])) for p in d.get("peers", ()))
-    return session.WelcomeInfo(d["learner"], d["layout"], d["digest"], tuple(d["versions"]), d["global_step"],
-                               d["needs_init"], peers)
+    return session.WelcomeInfo(
+        d["learner"], d["layout"], d["digest"], tuple(d["versions"]), d["global_step"], d["needs_init"], peers
+    )
 
 
 class LearnerTapeWriter(recording.RecordWriter):
@@ -82,22 +94,44 @@ class LearnerTapeWriter(recording.RecordWriter):
         sha = self._store([snapshot]) if snapshot is not None else None
         self._append({"type": "recover", "source": source, "step": step, "versions": list(versions), "snapshot": sha})
 
-    def take(self, call: int, requests: list, updates: dict, errors: list, welcomes: int, welcome: session.WelcomeInfo | None,
-             new_welcome: bool) -> None:
+    def take(
+        self,
+        call: int,
+        requests: list,
+        updates: dict,
+        errors: list,
+        welcomes: int,
+        welcome: session.WelcomeInfo | None,
+        new_welcome: bool,
+    ) -> None:
         """What one call of the sync hook took from the network (only written when it took something)."""
         if not (requests or updates or errors or new_welcome):
             return
-        self._append({
-            "type": "take", "call": call, "requests": [[r.fragment, r.round, r.base_version] for r in requests],
-            "updates": [[q, u.version, self._value(u.encoded)] for q, u in sorted(updates.items())],
-            "errors": [[e.code, e.text, e.fatal] for e in errors], "welcomes": welcomes,
-            "welcome": _welcome_json(welcome) if new_welcome and welcome is not None else None,
-        })
+        self._append(
+            {
+                "type": "take",
+                "call": call,
+                "requests": [[r.fragment, r.round, r.base_version] for r in requests],
+                "updates": [[q, u.version, self._value(u.encoded)] for q, u in sorted(updates.items())],
+                "errors": [[e.code, e.text, e.fatal] for e in errors],
+                "welcomes": welcomes,
+                "welcome": _welcome_json(welcome) if new_welcome and welcome is not None else None,
+            }
+        )
 
     def push(self, call: int, push: Push) -> None:
-        self._append({"type": "push", "call": call, "fragment": push.fragment, "round": push.round,
-                      "base_version": push.base_version, "steps": push.steps, "tokens": push.tokens,
-                      "sha256": payload_sha256(push.payload)})
+        self._append(
+            {
+                "type": "push",
+                "call": call,
+                "fragment": push.fragment,
+                "round": push.round,
+                "base_version": push.base_version,
+                "steps": push.steps,
+                "tokens": push.tokens,
+                "sha256": payload_sha256(push.payload),
+            }
+        )
 
     def init(self, call: int, fragment: int, payload: bytes) -> None:
         self._append({"type": "init", "call": call, "fragment": fragment, "sha256": sha256(payload)})
@@ -166,7 +200,9 @@ def read(directory: Path | str, *, cut: bool = False) -> LearnerTape:
     rest = [r for _, r in records[1:]]
     for offset, r in records[1:]:
         if r.get("type") not in KINDS[1:]:
-            raise LearnerTapeError(f"{directory / TAPE_FILE}: record at offset {offset} has unknown type {r.get('type')!r}")
+            raise LearnerTapeError(
+                f"{directory / TAPE_FILE}: record at offset {offset} has unknown type {r.get('type')!r}"
+            )
     return LearnerTape(directory, records[0][1]["config"], rest, torn)
 
 

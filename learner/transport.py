@@ -20,7 +20,10 @@ __all__ = ["SnapshotOutbox", "Taken", "Transport"]
 # What one `take` hands over: the syncer's requests, the newest arrived version of each fragment,
 # its errors, and (welcomes seen so far, the newest welcome): a count that changed means a new session.
 Taken: TypeAlias = tuple[
-    list[session.RequestInfo], dict[int, session.UpdateInfo], list[session.ErrorInfo], tuple[int, session.WelcomeInfo | None]
+    list[session.RequestInfo],
+    dict[int, session.UpdateInfo],
+    list[session.ErrorInfo],
+    tuple[int, session.WelcomeInfo | None],
 ]
 
 
@@ -72,5 +75,4 @@ class SnapshotOutbox(Protocol):
         """A peer asked and no copy has been published since."""
         ...
 
-    def publish(self, data: bytes) -> None:
-        ...
+    def publish(self, data: bytes) -> None: ...

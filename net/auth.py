@@ -37,8 +37,12 @@ DISTINCT_CHARS_MIN = 8  # 32 random hex characters have fewer with probability b
 TOKEN_FILE_MODE = 0o600
 
 _HEX = (frozenset(string.digits + "abcdef"), frozenset(string.digits + "ABCDEF"))
-_CLASSES = (frozenset(string.digits), frozenset(string.ascii_lowercase), frozenset(string.ascii_uppercase),
-            frozenset(string.punctuation))
+_CLASSES = (
+    frozenset(string.digits),
+    frozenset(string.ascii_lowercase),
+    frozenset(string.ascii_uppercase),
+    frozenset(string.punctuation),
+)
 
 
 class AuthConfigError(UserError, ValueError):
@@ -60,7 +64,9 @@ def read_token_file(path: str | Path, *, allow_shared: bool = False) -> str:
     if shared:
         what = f"the auth token file {path} is readable by {shared} (mode {stat.S_IMODE(mode):04o})"
         if not allow_shared:
-            raise AuthConfigError(f"{what}: run `chmod 600 {path}` (`ddiloco syncer --allow-shared-token` accepts it anyway)")
+            raise AuthConfigError(
+                f"{what}: run `chmod 600 {path}` (`ddiloco syncer --allow-shared-token` accepts it anyway)"
+            )
         log.warning("%s; accepted, but whoever can read it can join the run", what)
     try:
         check_token(token)

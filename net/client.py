@@ -102,7 +102,9 @@ class ClientConfig:
         if self.rejoin_s_max <= 0 or self.rejoin_window_s < 0:
             raise ClientConfigError("need rejoin_s_max > 0 and rejoin_window_s >= 0")
         if not 0 <= self.progress_interval_s <= PROGRESS_INTERVAL_S_MAX:
-            raise ClientConfigError(f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}")
+            raise ClientConfigError(
+                f"progress_interval_s must lie in [0, {PROGRESS_INTERVAL_S_MAX}], got {self.progress_interval_s}"
+            )
         if not 0 <= self.close_drain_s <= CLOSE_DRAIN_S_MAX:
             raise ClientConfigError(f"close_drain_s must lie in [0, {CLOSE_DRAIN_S_MAX}], got {self.close_drain_s}")
 
@@ -170,8 +172,13 @@ class SyncerClient:
         logged (the caller keeps its counters and tries next time)."""
         if len(self._bulk) >= self.config.pushes_queued_max:
             self.pushes_dropped += 1
-            log.warning("push of fragment %d round %d dropped: %d messages already queued (%d pushes dropped so far)",
-                        push.fragment, push.round, len(self._bulk), self.pushes_dropped)
+            log.warning(
+                "push of fragment %d round %d dropped: %d messages already queued (%d pushes dropped so far)",
+                push.fragment,
+                push.round,
+                len(self._bulk),
+                self.pushes_dropped,
+            )
             return False
         self._bulk.append((welcomes, push))
         self._wake.set()
@@ -232,7 +239,7 @@ class SyncerClient:
                 # call), and the same line twice reads as two problems.
                 log.debug("refused: %s", exc)
                 return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 delay = self._backoff(delay, welcomes, exc)
                 log.info("syncer connection failed (%s); retrying in about %.2f s", self.last_error, delay)
             except (wire.WireError, MalformedMessage) as exc:  # the syncer's bytes, not the network
@@ -267,8 +274,11 @@ class SyncerClient:
         async with aiohttp.ClientSession(timeout=timeout) as http:
             try:
                 ws = await http.ws_connect(
-                    self.config.url, headers=headers, max_msg_size=self.config.wire.max_msg_size,
-                    heartbeat=self.config.heartbeat_s, ssl=self._ssl if self._ssl is not None else True,
+                    self.config.url,
+                    headers=headers,
+                    max_msg_size=self.config.wire.max_msg_size,
+                    heartbeat=self.config.heartbeat_s,
+                    ssl=self._ssl if self._ssl is not None else True,
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 401:
@@ -276,14 +286,24 @@ class SyncerClient:
                 raise
             except aiohttp.ClientSSLError as exc:
                 if tls.is_certificate_error(exc):  # configuration, not the network: retrying cannot mend it
-                    trust = f"the CA in {self.config.ca_file}" if self.config.ca_file else "the system's CAs (give a CA file)"
-                    raise SyncerRefused(f"the certificate of the syncer at {self.config.url} is not trusted by {trust}: {exc}") from exc
+                    trust = (
+                        f"the CA in {self.config.ca_file}"
+                        if self.config.ca_file
+                        else "the system's CAs (give a CA file)"
+                    )
+                    raise SyncerRefused(
+                        f"the certificate of the syncer at {self.config.url} is not trusted by {trust}: {exc}"
+                    ) from exc
                 raise
             async with ws:
                 self.inbox.connects += 1
                 self.connected.set()
                 hello = session.hello_frames(
-                    self.config.name, self.config.tensors, next(self._ids), self.config.wire, self._tick(),
+                    self.config.name,
+                    self.config.tensors,
+                    next(self._ids),
+                    self.config.wire,
+                    self._tick(),
                     self.config.peer_url,
                 )
                 for frame in hello:
@@ -294,7 +314,9 @@ class SyncerClient:
                 writer = asyncio.create_task(self._write_loop(ws, self.inbox.welcomes))
                 # A writer that fails (a bug: a message that does not encode) must not leave a
                 # connection that reads but never sends: close it, and the failure surfaces below.
-                writer.add_done_callback(lambda t: t.cancelled() or t.exception() is None or asyncio.ensure_future(ws.close()))
+                writer.add_done_callback(
+                    lambda t: t.cancelled() or t.exception() is None or asyncio.ensure_future(ws.close())
+                )
                 try:
                     await self._read_loop(ws)
                 finally:
@@ -546,7 +568,9 @@ class ThreadedClient:
 
     def local_state(self, snapshot: int, data: bytes) -> None:
         self._check()
-        self._loop.call_soon_threadsafe(self._client.queue_local_state, session.LocalStateInfo(snapshot, data), self._welcomes_seen)
+        self._loop.call_soon_threadsafe(
+            self._client.queue_local_state, session.LocalStateInfo(snapshot, data), self._welcomes_seen
+        )
 
     def take_markers(self) -> list[int]:
         """Snapshot markers (net.snapshot) that the last `take` collected, each given out once."""

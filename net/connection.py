@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -110,7 +110,7 @@ class Connection:
                 self.in_send = True
                 try:
                     await asyncio.wait_for(self.ws.send_bytes(frame), self.limits.send_stall_s_max)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise SlowPeerError(f"a frame could not be sent for {self.limits.send_stall_s_max} s") from None
                 finally:
                     self.in_send = False

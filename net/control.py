@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+
 from ddiloco.errors import FaultError
 
 CHECKPOINT_WAIT_S_DEFAULT = 120.0
@@ -21,7 +22,7 @@ def http_base(url: str) -> str:
     """`http://host:port` from the syncer's websocket URL (`ws://host:port/ws`) or its HTTP address."""
     for ws, http in (("ws://", "http://"), ("wss://", "https://")):
         if url.startswith(ws):
-            url = http + url[len(ws):]
+            url = http + url[len(ws) :]
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"syncer URL must start with ws://, wss://, http:// or https://, got {url!r}")
     url = url.rstrip("/")
@@ -37,7 +38,8 @@ def request_checkpoint(url: str, token: str | None, timeout_s: float = CHECKPOIN
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.read().decode(errors="replace").strip()
     except urllib.error.HTTPError as exc:
-        raise ControlError(f"the syncer at {base} refused the checkpoint: {exc.code} "
-                           f"{exc.read().decode(errors='replace').strip()}") from exc
+        raise ControlError(
+            f"the syncer at {base} refused the checkpoint: {exc.code} {exc.read().decode(errors='replace').strip()}"
+        ) from exc
     except (urllib.error.URLError, OSError) as exc:
         raise ControlError(f"cannot reach the syncer at {base}: {getattr(exc, 'reason', exc)}") from exc

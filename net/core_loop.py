@@ -36,8 +36,10 @@ Item = TypeVar("Item")
 class CoreFailed(FaultError, RuntimeError):
     """The syncer's core failed (a bug or a broken invariant): the daemon stopped; the message says on what."""
 
-    what_to_do = ("restart the syncer with --resume from its checkpoint directory (the learners reconnect), "
-                  "and report the traceback logged above")
+    what_to_do = (
+        "restart the syncer with --resume from its checkpoint directory (the learners reconnect), "
+        "and report the traceback logged above"
+    )
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,9 @@ class CoreHealth:
 class CoreLoop(Generic[Item]):
     """`step(item)` runs on the core thread for every submitted item, in submission order."""
 
-    def __init__(self, step: Callable[[Item], None], items_queued_max: int,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, step: Callable[[Item], None], items_queued_max: int, clock: Callable[[], float] = time.monotonic
+    ):
         assert items_queued_max >= 1, items_queued_max
         self._step = step
         self._clock = clock
@@ -95,8 +98,9 @@ class CoreLoop(Generic[Item]):
     def health(self) -> CoreHealth:
         now, failure = self._clock(), self.failure
         busy = None if self._busy_since is None else now - self._busy_since
-        return CoreHealth(self.running, None if failure is None else str(failure), self._items.qsize(), busy,
-                          now - self._completed_at)
+        return CoreHealth(
+            self.running, None if failure is None else str(failure), self._items.qsize(), busy, now - self._completed_at
+        )
 
     async def submit(self, item: Item) -> None:
         if self.failure is not None:
@@ -152,10 +156,12 @@ class CoreLoop(Generic[Item]):
                 else:
                     await loop.run_in_executor(self._thread, self._step, item)
             except Exception as exc:  # a bug in the core or the shell: log it loudly and stop, never limp on
-                log.critical("syncer core failed on %s: %s: %s", type(item).__name__, type(exc).__name__, exc,
-                             exc_info=exc)
-                self._failed.set_result(CoreFailed(f"the syncer core failed on {type(item).__name__}: "
-                                                   f"{type(exc).__name__}: {exc}"))
+                log.critical(
+                    "syncer core failed on %s: %s: %s", type(item).__name__, type(exc).__name__, exc, exc_info=exc
+                )
+                self._failed.set_result(
+                    CoreFailed(f"the syncer core failed on {type(item).__name__}: {type(exc).__name__}: {exc}")
+                )
                 self._answer_waiting_calls()
                 return
             finally:

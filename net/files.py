@@ -21,9 +21,20 @@ import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
+
 from ddiloco.errors import FaultError
 
-__all__ = ["FileError", "cause", "describe", "fsync_directory", "fsync_file", "make_directory", "remove", "temporary_name", "write_atomic"]
+__all__ = [
+    "FileError",
+    "cause",
+    "describe",
+    "fsync_directory",
+    "fsync_file",
+    "make_directory",
+    "remove",
+    "temporary_name",
+    "write_atomic",
+]
 
 # The causes an operator meets in practice, in the words a log line should use.
 _CAUSES = {
@@ -81,7 +92,9 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
 
 
-def write_atomic(path: Path | str, parts: Iterable[bytes | bytearray | memoryview], *, what: str = "write", sync: bool = True) -> int:
+def write_atomic(
+    path: Path | str, parts: Iterable[bytes | bytearray | memoryview], *, what: str = "write", sync: bool = True
+) -> int:
     """Write the concatenation of `parts` to `path` atomically and durably; returns the bytes written.
     `sync=False` leaves out both fsyncs, for a caller that batches them (`fsync_file`, then
     `fsync_directory`): the rename is still atomic, only not yet durable.

@@ -70,9 +70,44 @@ HOSTILE_WELCOME_WAIT_S_MAX = 2.0  # a hostile peer goes on without its welcome a
 # Values at and beyond every limit a field has: the wire's 2**53 - 1, the clocks' 2**52, the core's
 # 2**62, int64 and uint64, and every JSON type that is not an integer.
 _INTERESTING = (
-    0, 1, -1, 7, 2**31 - 1, 2**31, 2**52, 2**52 + 1, 2**53 - 1, 2**53, 2**62, 2**62 + 1, 2**63 - 1, 2**63,
-    2**64 - 1, 2**64, 10**30, -(2**63), 1.5, -0.0, 1e308, float("nan"), float("inf"), float("-inf"), True, False,
-    None, "", "x" * 3000, "\u00b2", "\u0663", "a\nb", "\x00", [], [1, 2], [[-1]], {}, {"a": 1},
+    0,
+    1,
+    -1,
+    7,
+    2**31 - 1,
+    2**31,
+    2**52,
+    2**52 + 1,
+    2**53 - 1,
+    2**53,
+    2**62,
+    2**62 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    10**30,
+    -(2**63),
+    1.5,
+    -0.0,
+    1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    True,
+    False,
+    None,
+    "",
+    "x" * 3000,
+    "\u00b2",
+    "\u0663",
+    "a\nb",
+    "\x00",
+    [],
+    [1, 2],
+    [[-1]],
+    {},
+    {"a": 1},
 )
 _NAMES = ("syncer", "a", "", "\u00b2", "x" * 300, "a\nb", "learner-0")
 _PATHS = ("blocks/\u00b2/w", "blocks/\u0663/w", "", "x" * 600, "a\x00b", "blocks/9/w", "embed", 5, None, ["a"])
@@ -130,14 +165,20 @@ class FuzzReport:
     def lines(self) -> list[str]:
         codes = ", ".join(f"{k} {v}" for k, v in self.error_codes.most_common())
         out = [
-            (f"seed {self.seed}: {self.frames_sent} fuzzed frames in {self.seconds:.1f} s over {self.connections}"
-             f" hostile connections, {self.batches} batches"),
+            (
+                f"seed {self.seed}: {self.frames_sent} fuzzed frames in {self.seconds:.1f} s over {self.connections}"
+                f" hostile connections, {self.batches} batches"
+            ),
             f"errors answered: {self.errors_answered} ({codes})",
             f"core deaths: {self.core_deaths}",
-            (f"checks passed: {self.checks_passed}/{self.batches} (core alive, honest progress handled, a round merged,"
-             f" state monotonic, {self.updates_checked} updates finite, memory bounded, no unhandled error)"),
-            (f"merges: {self.merges}; resident memory settled at {self.rss_settled_bytes >> 20} MiB, peak"
-             f" {self.rss_peak_bytes >> 20} MiB"),
+            (
+                f"checks passed: {self.checks_passed}/{self.batches} (core alive, honest progress handled, a round merged,"
+                f" state monotonic, {self.updates_checked} updates finite, memory bounded, no unhandled error)"
+            ),
+            (
+                f"merges: {self.merges}; resident memory settled at {self.rss_settled_bytes >> 20} MiB, peak"
+                f" {self.rss_peak_bytes >> 20} MiB"
+            ),
             "mutations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.mutations.items())),
         ]
         out += [f"FAILED: {f}" for f in self.failures]
@@ -173,11 +214,14 @@ def _done(config: FuzzConfig, report: FuzzReport, started: float) -> bool:
     return out_of_time or (config.frames_max > 0 and report.frames_sent >= config.frames_max)
 
 
-async def _epoch(config: FuzzConfig, report: FuzzReport, rng: np.random.Generator, errors: _ErrorLog,
-                 started: float) -> None:
+async def _epoch(
+    config: FuzzConfig, report: FuzzReport, rng: np.random.Generator, errors: _ErrorLog, started: float
+) -> None:
     """One daemon, fuzzed until the time is up or its core dies."""
-    server = SyncerServer(syncer.new_state(SyncerConfig(num_fragments=2, period=4, quorum=1)),
-                          ServerConfig(port=0, auth_token=TOKEN, wire=LIMITS))
+    server = SyncerServer(
+        syncer.new_state(SyncerConfig(num_fragments=2, period=4, quorum=1)),
+        ServerConfig(port=0, auth_token=TOKEN, wire=LIMITS),
+    )
     await server.start()
     url = f"ws://127.0.0.1:{server.port}/ws"
     http = aiohttp.ClientSession()
@@ -200,8 +244,10 @@ async def _epoch(config: FuzzConfig, report: FuzzReport, rng: np.random.Generato
                 except aiohttp.ClientConnectorError as exc:
                     # A daemon whose core failed stops listening (net.server): a death, not a harness error.
                     watch.core_dead = True
-                    report.failures.append(f"batch {report.batches + 1}: the daemon stopped listening ({exc}); "
-                                           f"sent: {', '.join(batch[-20:])}")
+                    report.failures.append(
+                        f"batch {report.batches + 1}: the daemon stopped listening ({exc}); "
+                        f"sent: {', '.join(batch[-20:])}"
+                    )
                     report.failures += [f"batch {report.batches + 1}: {record}" for record in errors.records]
                     break
             report.batches += 1
@@ -265,8 +311,14 @@ class _ErrorLog(logging.Handler):
 
 
 class _Watch:
-    def __init__(self, server: SyncerServer, honest: list[_Honest], hostile: list[_Hostile],
-                 http: aiohttp.ClientSession, rss_growth_bytes_max: int) -> None:
+    def __init__(
+        self,
+        server: SyncerServer,
+        honest: list[_Honest],
+        hostile: list[_Hostile],
+        http: aiohttp.ClientSession,
+        rss_growth_bytes_max: int,
+    ) -> None:
         self.server, self.honest, self.hostile, self.http = server, honest, hostile, http
         self.rss_growth_bytes_max = rss_growth_bytes_max
         self.core_dead = False
@@ -287,16 +339,24 @@ class _Watch:
         honest = self.honest[0]
         step = honest.tick()
         try:
-            await _until(lambda: (honest.learner in state.learners and state.learners[honest.learner].step >= step)
-                         or honest.rejoined(), "an honest progress report to be handled")
+            await _until(
+                lambda: (
+                    (honest.learner in state.learners and state.learners[honest.learner].step >= step)
+                    or honest.rejoined()
+                ),
+                "an honest progress report to be handled",
+            )
             await _until(lambda: state.merges > merges, "a merge of honest pushes")
         except TimeoutError as exc:
             problems += await self._health(errors) or [str(exc)]
             if self.core_dead:
                 return problems
         marks = self._progress_marks()
-        back = [name for name, was, now in zip(("versions", "rounds", "global step", "merges"), self.last, marks)
-                if _behind(now, was)]
+        back = [
+            name
+            for name, was, now in zip(("versions", "rounds", "global step", "merges"), self.last, marks)
+            if _behind(now, was)
+        ]
         if back:
             problems.append(f"global state moved backwards: {back} from {self.last} to {marks}")
         self.last = marks
@@ -324,8 +384,12 @@ class _Watch:
 
     def _progress_marks(self) -> tuple:
         state = self.server.state
-        return (tuple(f.version for f in state.fragments), tuple(f.rounds_opened for f in state.fragments),
-                state.global_step, state.merges)
+        return (
+            tuple(f.version for f in state.fragments),
+            tuple(f.rounds_opened for f in state.fragments),
+            state.global_step,
+            state.merges,
+        )
 
 
 def _behind(now, was) -> bool:
@@ -352,9 +416,19 @@ class _Honest:
 
     def __init__(self, url: str, name: str, seed: int, server: SyncerServer) -> None:
         self.name = name
-        self.client = SyncerClient(ClientConfig(url=url, name=name, tensors=TENSORS, token=TOKEN, wire=LIMITS,
-                                                reconnect_s_min=0.01, reconnect_s_max=0.2, progress_interval_s=0,
-                                                close_drain_s=0))
+        self.client = SyncerClient(
+            ClientConfig(
+                url=url,
+                name=name,
+                tensors=TENSORS,
+                token=TOKEN,
+                wire=LIMITS,
+                reconnect_s_min=0.01,
+                reconnect_s_max=0.2,
+                progress_interval_s=0,
+                close_drain_s=0,
+            )
+        )
         self.rng = np.random.default_rng(10_000 + seed)
         self.server = server
         self.sizes: list[int] = []
@@ -408,8 +482,9 @@ class _Honest:
         while box.requests:
             r = box.requests.popleft()
             vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-            self.client.queue_push(Push(0, r.fragment, r.round, r.base_version, 1, 64,
-                                        codecs.parse(codecs.encode(vec, "int4"))))
+            self.client.queue_push(
+                Push(0, r.fragment, r.round, r.base_version, 1, 64, codecs.parse(codecs.encode(vec, "int4")))
+            )
 
     async def stop(self) -> None:
         if self.task is None:
@@ -457,8 +532,9 @@ class _Hostile:
 
     async def _connect(self, rng: np.random.Generator) -> None:
         await self.close()
-        self.ws = await self.http.ws_connect(self.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                                             max_msg_size=LIMITS.max_msg_size, heartbeat=None)
+        self.ws = await self.http.ws_connect(
+            self.url, headers={"Authorization": f"Bearer {TOKEN}"}, max_msg_size=LIMITS.max_msg_size, heartbeat=None
+        )
         self.report.connections += 1
         self.welcome = None
         self.requests.clear()
@@ -468,7 +544,9 @@ class _Hostile:
             for frame in hello:
                 await self.ws.send_bytes(bytes(frame))
             try:
-                await _until(lambda: self.welcome is not None or self.ws.closed, "a welcome", HOSTILE_WELCOME_WAIT_S_MAX)
+                await _until(
+                    lambda: self.welcome is not None or self.ws.closed, "a welcome", HOSTILE_WELCOME_WAIT_S_MAX
+                )
             except TimeoutError:
                 pass  # the session goes on without it; what follows is refused as before-hello
 
@@ -534,13 +612,25 @@ def _valid(rng: np.random.Generator, peer: _Hostile) -> tuple[msg.Kind, dict, by
     clock = {peer.name: int(rng.integers(1, 1000))}
     fragment = int(rng.integers(len(peer.sizes)))
     if choice == 0:
-        m = msg.Hello(name=peer.name, layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(),
-                      clock=clock, tensors_json=session.tensors_json(TENSORS))
+        m = msg.Hello(
+            name=peer.name,
+            layout_digest="0" * 64,
+            shard=0,
+            resume_learner_id=None,
+            held_versions=(),
+            clock=clock,
+            tensors_json=session.tensors_json(TENSORS),
+        )
     elif choice in (1, 2, 3):
         peer.step += int(rng.integers(0, 3))
         n = len(peer.versions)
-        m = msg.Progress(step=peer.step, held_versions=tuple(peer.versions), fragment_steps=(1,) * n,
-                         fragment_tokens=(64,) * n, clock=clock)
+        m = msg.Progress(
+            step=peer.step,
+            held_versions=tuple(peer.versions),
+            fragment_steps=(1,) * n,
+            fragment_tokens=(64,) * n,
+            clock=clock,
+        )
     elif choice in (4, 5, 6):
         m = _push(rng, peer, fragment, clock)
     elif choice == 7:
@@ -548,11 +638,15 @@ def _valid(rng: np.random.Generator, peer: _Hostile) -> tuple[msg.Kind, dict, by
         m = msg.Init(fragment=fragment, element_count=values.size, clock=clock, payload=values)
     elif choice == 8:
         data = rng.bytes(int(rng.integers(0, 300)))
-        m = msg.LocalState(snapshot=int(rng.integers(0, 3)), sha256=hashlib.sha256(data).hexdigest(), clock=clock,
-                           payload=data)
+        m = msg.LocalState(
+            snapshot=int(rng.integers(0, 3)), sha256=hashlib.sha256(data).hexdigest(), clock=clock, payload=data
+        )
     elif choice == 9:
-        m = (msg.Bye(reason="fuzz") if rng.random() < 0.5
-             else msg.Error(code=msg.ErrorCode.INTERNAL, text="fuzz", fatal=bool(rng.random() < 0.5)))
+        m = (
+            msg.Bye(reason="fuzz")
+            if rng.random() < 0.5
+            else msg.Error(code=msg.ErrorCode.INTERNAL, text="fuzz", fatal=bool(rng.random() < 0.5))
+        )
     else:  # the syncer's own kinds, from the wrong side
         m = _syncer_kind(rng, peer, fragment, clock)
     payload = bytes(m.payload) if m.KIND in msg.BULK_KINDS else b""
@@ -567,9 +661,18 @@ def _push(rng: np.random.Generator, peer: _Hostile, fragment: int, clock: dict) 
     vec = rng.standard_normal(peer.sizes[fragment]).astype(np.float32) * 0.01
     encoded = codecs.encode(vec, name)
     parsed = codecs.parse(encoded)
-    return msg.Push(fragment=fragment, round=request.round, base_version=request.base_version, steps=1, tokens=64,
-                    codec=name, block=max(parsed.block, 1), element_count=parsed.elements, clock=clock,
-                    payload=memoryview(encoded)[codecs.HEADER_BYTES:])
+    return msg.Push(
+        fragment=fragment,
+        round=request.round,
+        base_version=request.base_version,
+        steps=1,
+        tokens=64,
+        codec=name,
+        block=max(parsed.block, 1),
+        element_count=parsed.elements,
+        clock=clock,
+        payload=memoryview(encoded)[codecs.HEADER_BYTES :],
+    )
 
 
 def _syncer_kind(rng: np.random.Generator, peer: _Hostile, fragment: int, clock: dict) -> msg.Message:
@@ -580,11 +683,23 @@ def _syncer_kind(rng: np.random.Generator, peer: _Hostile, fragment: int, clock:
         return msg.Marker(snapshot=1, clock=clock)
     if pick == 2:
         values = np.zeros(peer.sizes[fragment], dtype=np.float32)
-        return msg.Update(fragment=fragment, version=1, codec="fp32", element_count=values.size, clock=clock,
-                          payload=values)
-    return msg.Welcome(learner_id=1, layout_digest="0" * 64, fragment_count=1, versions=(0,), sync_every_steps=1,
-                       fragment_offsets=(0,), global_step=0, codec="int4", codec_block=128, clock=clock,
-                       needs_init=False, layout_json="{}")
+        return msg.Update(
+            fragment=fragment, version=1, codec="fp32", element_count=values.size, clock=clock, payload=values
+        )
+    return msg.Welcome(
+        learner_id=1,
+        layout_digest="0" * 64,
+        fragment_count=1,
+        versions=(0,),
+        sync_every_steps=1,
+        fragment_offsets=(0,),
+        global_step=0,
+        codec="int4",
+        codec_block=128,
+        clock=clock,
+        needs_init=False,
+        layout_json="{}",
+    )
 
 
 def raw_frames(kind: int, meta: bytes, payload: bytes, *, message_id: int, limits: wire.WireLimits) -> list[bytearray]:
@@ -597,11 +712,24 @@ def raw_frames(kind: int, meta: bytes, payload: bytes, *, message_id: int, limit
     count = max(1, -(-len(body) // capacity))
     frames = []
     for index in range(count):
-        data = body[index * capacity:(index + 1) * capacity]
+        data = body[index * capacity : (index + 1) * capacity]
         frame = bytearray(wire.HEADER_BYTES + len(data))
-        wire.HEADER.pack_into(frame, 0, wire.MAGIC, wire.PROTOCOL_VERSION, kind, 0, message_id, index, count,
-                              index * capacity, len(payload), len(meta), 0)
-        frame[wire.HEADER_BYTES:] = data
+        wire.HEADER.pack_into(
+            frame,
+            0,
+            wire.MAGIC,
+            wire.PROTOCOL_VERSION,
+            kind,
+            0,
+            message_id,
+            index,
+            count,
+            index * capacity,
+            len(payload),
+            len(meta),
+            0,
+        )
+        frame[wire.HEADER_BYTES :] = data
         _fix_crc(frame)
         frames.append(frame)
     return frames
@@ -613,7 +741,7 @@ def _frames(peer: _Hostile, kind: int, meta: bytes, payload: bytes) -> list[byte
 
 def _fix_crc(frame: bytearray) -> None:
     if len(frame) >= wire.HEADER_BYTES:
-        crc = crc32(bytes(frame[wire.HEADER_BYTES:]), crc32(bytes(frame[: wire.CRC_OFFSET])))
+        crc = crc32(bytes(frame[wire.HEADER_BYTES :]), crc32(bytes(frame[: wire.CRC_OFFSET])))
         struct.pack_into("<I", frame, wire.CRC_OFFSET, crc)
 
 
@@ -627,6 +755,7 @@ def _pick(rng: np.random.Generator, values: tuple) -> object:
 
 
 # Each mutation: (rng, peer, kind, meta, payload) -> (label, frames).
+
 
 def _unchanged(rng, peer, kind, meta, payload):
     return f"valid:{kind.name.lower()}", _frames(peer, kind, _dumps(meta), payload)
@@ -666,12 +795,23 @@ def _tensors(rng, peer, kind, meta, payload):
         row[3] = _pick(rng, _INTERESTING)
     else:
         rows = _pick(rng, ([], {}, "x", [[]], [[1, 2, 3, 4, 5]], [rows[0]] * 2, 7))
-    hello = orjson.loads(msg.message_meta(msg.Hello(
-        name=peer.name, layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock={},
-        tensors_json="[]")))
+    hello = orjson.loads(
+        msg.message_meta(
+            msg.Hello(
+                name=peer.name,
+                layout_digest="0" * 64,
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(),
+                clock={},
+                tensors_json="[]",
+            )
+        )
+    )
     hello["tensors_json"] = _dumps(rows).decode()
-    return f"tensors:{('path', 'shape', 'dtype', 'embedding', 'list')[part]}", _frames(peer, msg.Kind.HELLO,
-                                                                                      _dumps(hello), b"")
+    return f"tensors:{('path', 'shape', 'dtype', 'embedding', 'list')[part]}", _frames(
+        peer, msg.Kind.HELLO, _dumps(hello), b""
+    )
 
 
 def _structure(rng, peer, kind, meta, payload):
@@ -689,7 +829,8 @@ def _structure(rng, peer, kind, meta, payload):
     else:
         body = rng.bytes(int(rng.integers(2, 200)))
     return f"structure:{('missing', 'unknown', 'not_object', 'cut_json', 'random')[pick]}", _frames(
-        peer, kind, body, payload)
+        peer, kind, body, payload
+    )
 
 
 def _payload(rng, peer, kind, meta, payload):
@@ -728,9 +869,17 @@ def _bit_flips(rng, peer, kind, meta, payload):
 def _header_field(rng, peer, kind, meta, payload):
     frames = _frames(peer, kind, _dumps(meta), payload)
     frame = frames[int(rng.integers(len(frames)))]
-    fields = {"version": (4, "<B"), "kind": (5, "<B"), "flags": (6, "<H"), "message_id": (8, "<Q"),
-              "chunk_index": (16, "<I"), "chunk_count": (20, "<I"), "chunk_offset": (24, "<Q"),
-              "payload_bytes": (32, "<Q"), "meta_bytes": (40, "<I")}
+    fields = {
+        "version": (4, "<B"),
+        "kind": (5, "<B"),
+        "flags": (6, "<H"),
+        "message_id": (8, "<Q"),
+        "chunk_index": (16, "<I"),
+        "chunk_count": (20, "<I"),
+        "chunk_offset": (24, "<Q"),
+        "payload_bytes": (32, "<Q"),
+        "meta_bytes": (40, "<I"),
+    }
     name = _pick(rng, tuple(fields))
     offset, fmt = fields[name]
     top = 2 ** (8 * struct.calcsize(fmt)) - 1
@@ -788,9 +937,13 @@ def _counters(rng, peer, kind, meta, payload):
         meta[key] = _pick(rng, big)
     else:
         n = len(peer.versions)
-        meta = {"step": peer.step + int(_pick(rng, (1, 10**5, 10**5 + 1, 10**6, 2**53 - 1))),
-                "held_versions": list(peer.versions), "fragment_steps": [1] * n, "fragment_tokens": [64] * n,
-                "clock": {}}
+        meta = {
+            "step": peer.step + int(_pick(rng, (1, 10**5, 10**5 + 1, 10**6, 2**53 - 1))),
+            "held_versions": list(peer.versions),
+            "fragment_steps": [1] * n,
+            "fragment_tokens": [64] * n,
+            "clock": {},
+        }
         key = _pick(rng, ("step", "held_versions", "fragment_steps", "fragment_tokens"))
         if key != "step":
             meta[key] = [int(_pick(rng, big)) for _ in range(n)]
@@ -799,6 +952,21 @@ def _counters(rng, peer, kind, meta, payload):
 
 
 _MUTATIONS = (
-    _unchanged, _unchanged, _field_value, _field_value, _field_value, _clock, _tensors, _structure, _payload,
-    _bit_flips, _bit_flips, _header_field, _truncate, _sequence, _oversized, _counters, _counters,
+    _unchanged,
+    _unchanged,
+    _field_value,
+    _field_value,
+    _field_value,
+    _clock,
+    _tensors,
+    _structure,
+    _payload,
+    _bit_flips,
+    _bit_flips,
+    _header_field,
+    _truncate,
+    _sequence,
+    _oversized,
+    _counters,
+    _counters,
 )

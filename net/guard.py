@@ -108,8 +108,10 @@ class Guard:
         self.closed[limit] = self.closed.get(limit, 0) + 1
 
 
-_TOO_MANY = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\n"
-             b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
+_TOO_MANY = (
+    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s"
+)
 
 
 class _Guarded(asyncio.Protocol):
@@ -219,8 +221,9 @@ class _Guarded(asyncio.Protocol):
             return
         what = "a websocket frame begun" if limit == "frame_s_max" else "an HTTP request"
         seconds = getattr(self.guard.limits, limit)
-        log.warning("closing the connection from %s: %s not complete within %g s (%s)",
-                    self._address, what, seconds, limit)
+        log.warning(
+            "closing the connection from %s: %s not complete within %g s (%s)", self._address, what, seconds, limit
+        )
         self.guard._count_closed(limit)
         self._transport.abort()
 
@@ -238,11 +241,11 @@ class _AfterHeaders:
         joined = self._recent + data
         end = joined.rfind(self.MARK)
         if end >= 0:
-            self._after = bytearray(joined[end + len(self.MARK):])
+            self._after = bytearray(joined[end + len(self.MARK) :])
         else:
             self._after += data
         del self._after[:-PIPELINED_BYTES_MAX]
-        self._recent = joined[-(len(self.MARK) - 1):]
+        self._recent = joined[-(len(self.MARK) - 1) :]
 
     def bytes(self) -> bytes:
         return bytes(self._after)

@@ -34,9 +34,13 @@ class Verdict:
 
 
 def core_section(core: CoreHealth) -> dict:
-    return {"running": core.running, "failure": core.failure, "queued": core.queued,
-            "busy_s": None if core.busy_s is None else round(core.busy_s, 3),
-            "since_completed_s": round(core.since_completed_s, 3)}
+    return {
+        "running": core.running,
+        "failure": core.failure,
+        "queued": core.queued,
+        "busy_s": None if core.busy_s is None else round(core.busy_s, 3),
+        "since_completed_s": round(core.since_completed_s, 3),
+    }
 
 
 def checkpoint_section(health: Health | None, wall_now: float) -> dict | None:
@@ -53,13 +57,20 @@ def judge(core: CoreHealth, checkpoint: Health | None, wall_now: float, core_sta
     if not core.running:
         failing.append(f"the core is not running: {core.failure}" if core.failure else "the core is not running")
     elif core.stalled_s() > core_stall_s_max:
-        failing.append(f"the core has completed nothing for {core.stalled_s():.1f} s with {core.queued} items "
-                       f"waiting (core_stall_s_max {core_stall_s_max:g} s)")
+        failing.append(
+            f"the core has completed nothing for {core.stalled_s():.1f} s with {core.queued} items "
+            f"waiting (core_stall_s_max {core_stall_s_max:g} s)"
+        )
     if checkpoint is not None and not checkpoint.ok:
-        degraded.append(f"{checkpoint.failures_since_written} checkpoint(s) failed since the last one written: "
-                        f"{checkpoint.error}")
+        degraded.append(
+            f"{checkpoint.failures_since_written} checkpoint(s) failed since the last one written: {checkpoint.error}"
+        )
     status = FAILING if failing else DEGRADED if degraded else OK
     reasons = tuple(failing + degraded)
-    document = {"status": status, "reasons": list(reasons), "core": core_section(core),
-                "checkpoint": checkpoint_section(checkpoint, wall_now)}
+    document = {
+        "status": status,
+        "reasons": list(reasons),
+        "core": core_section(core),
+        "checkpoint": checkpoint_section(checkpoint, wall_now),
+    }
     return Verdict(status, 503 if failing else 200, reasons, document)

@@ -17,6 +17,7 @@ import asyncio
 import orjson
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
+
 from ddiloco.net import health
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import bearer_matches
@@ -43,8 +44,9 @@ def routes(server) -> list[web.RouteDef]:
 
     async def healthz(request: web.Request) -> web.Response:
         verdict = health.judge(server.core.health(), *checkpoint_health(), server.config.core_stall_s_max)
-        return web.Response(body=orjson.dumps(verdict.document), status=verdict.http_status,
-                            content_type="application/json")
+        return web.Response(
+            body=orjson.dumps(verdict.document), status=verdict.http_status, content_type="application/json"
+        )
 
     registry = new_registry(lambda: reading(server))
 
@@ -98,9 +100,13 @@ def routes(server) -> list[web.RouteDef]:
     ]
 
 
-
 def reading(server) -> Reading:
     """What /metrics and /status read of `server`, at once: its view, counters, checkpoint health."""
     store = server.checkpoints.store
-    return Reading(server.view, server.metrics, server.clock(),
-                   None if store is None else store.health, 0.0 if store is None else store.clock())
+    return Reading(
+        server.view,
+        server.metrics,
+        server.clock(),
+        None if store is None else store.health,
+        0.0 if store is None else store.clock(),
+    )

@@ -131,8 +131,10 @@ class Hello(_Body):
     def _check(self) -> None:
         _check_name("Hello.name", self.name)
         _require(len(self.peer_url) <= PEER_URL_CHARS_MAX, f"Hello.peer_url is above {PEER_URL_CHARS_MAX} characters")
-        _require(self.peer_url == "" or self.peer_url.startswith(("http://", "https://")),
-                 f"Hello.peer_url must be an http(s) URL, got {_show(self.peer_url)}")
+        _require(
+            self.peer_url == "" or self.peer_url.startswith(("http://", "https://")),
+            f"Hello.peer_url must be an http(s) URL, got {_show(self.peer_url)}",
+        )
         _check_digest("Hello.layout_digest", self.layout_digest)
 
 
@@ -168,14 +170,12 @@ class Welcome(_Body):
         for name in ("versions", "fragment_offsets"):
             _require(
                 len(getattr(self, name)) == self.fragment_count,
-                f"Welcome.{name} has {len(getattr(self, name))} entries"
-                f" for fragment_count {self.fragment_count}",
+                f"Welcome.{name} has {len(getattr(self, name))} entries for fragment_count {self.fragment_count}",
             )
         late = [o for o in self.fragment_offsets if o >= self.sync_every_steps]
         _require(
             not late,
-            f"Welcome.fragment_offsets {late[:4]} are not below sync_every_steps"
-            f" {self.sync_every_steps}",
+            f"Welcome.fragment_offsets {late[:4]} are not below sync_every_steps {self.sync_every_steps}",
         )
 
 
@@ -307,7 +307,9 @@ class LocalState(_Body):
     payload: memoryview = field(repr=False)
 
     def _check(self) -> None:
-        _require(re.fullmatch(r"[0-9a-f]{64}", self.sha256) is not None, "LocalState.sha256 must be 64 lowercase hex digits")
+        _require(
+            re.fullmatch(r"[0-9a-f]{64}", self.sha256) is not None, "LocalState.sha256 must be 64 lowercase hex digits"
+        )
 
 
 Message = Hello | Welcome | Progress | Request | Push | Init | Update | Error | Bye | Marker | LocalState
@@ -324,7 +326,8 @@ def message_meta(message: Message) -> bytes:
     """The message's fields except the payload, as JSON with sorted keys (canonical bytes)."""
     optional = _optional_defaults(type(message))
     body = {
-        name: getattr(message, name) for name in _meta_names(type(message))
+        name: getattr(message, name)
+        for name in _meta_names(type(message))
         if name not in optional or getattr(message, name) != optional[name]
     }  # an optional field at its default is left out, so older peers read the message unchanged
     return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
@@ -342,8 +345,7 @@ def message_from_meta(kind: Kind, meta: bytes | memoryview, payload: memoryview)
     unknown = sorted(obj.keys() - set(expected))
     if missing or unknown:
         raise ValueError(
-            f"{cls.__name__} body: missing fields {missing[:8]}, unknown fields"
-            f" {[_show(k) for k in unknown[:8]]}"
+            f"{cls.__name__} body: missing fields {missing[:8]}, unknown fields {[_show(k) for k in unknown[:8]]}"
         )
     if "payload" in _field_hints(cls):
         obj["payload"] = payload
@@ -445,9 +447,7 @@ def _clock(where: str, value: object) -> dict[str, int]:
 
 def _check_name(where: str, name: object) -> None:
     if type(name) is not str or NAME_RE.fullmatch(name) is None:
-        raise ValueError(
-            f"{where} must be 1 to {vclock.NAME_CHARS_MAX} printable ASCII characters, got {_show(name)}"
-        )
+        raise ValueError(f"{where} must be 1 to {vclock.NAME_CHARS_MAX} printable ASCII characters, got {_show(name)}")
 
 
 def _enum_member(where: str, value: object, *, enum_type: type[enum.Enum]) -> enum.Enum:
@@ -464,18 +464,14 @@ def _byte_view(where: str, value: object) -> memoryview:
     try:
         view = memoryview(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(
-            f"{where} must be a bytes-like buffer, got {type(value).__name__}"
-        ) from None
+        raise ValueError(f"{where} must be a bytes-like buffer, got {type(value).__name__}") from None
     _require(view.c_contiguous, f"{where} must be a C-contiguous buffer")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")  # numpy arrays of any dtype and shape become flat bytes
     return view.toreadonly()
 
 
-def _check_dense_payload(
-    kind: str, codec: CodecName, element_count: int, payload: memoryview
-) -> None:
+def _check_dense_payload(kind: str, codec: CodecName, element_count: int, payload: memoryview) -> None:
     width = codec.dense_bytes
     if width is None:
         return

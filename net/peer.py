@@ -41,7 +41,8 @@ _DIGEST_BYTES = 32
 MANIFEST_BYTES_MAX = 16 << 20
 ARRAYS_MAX = 100_000
 _DTYPES = {
-    name: np.dtype(name) for name in ("float64", "float32", "float16", "int64", "int32", "uint32", "int8", "uint8", "bool")
+    name: np.dtype(name)
+    for name in ("float64", "float32", "float16", "int64", "int32", "uint32", "int8", "uint8", "bool")
 }
 try:  # bf16 leaves exist only where jax (and so ml_dtypes) does; the base install has neither
     import ml_dtypes
@@ -251,14 +252,16 @@ async def fetch_snapshot_async(url: str, token: str | None, timeout_s: float, sn
                     text = (await resp.content.read(200)).decode(errors="replace")
                     raise PeerError(f"peer {url} answered HTTP {resp.status}: {text}")
                 if (resp.content_length or 0) > snapshot_bytes_max:
-                    raise PeerError(f"peer {url} offers {resp.content_length} bytes, above snapshot_bytes_max {snapshot_bytes_max}")
+                    raise PeerError(
+                        f"peer {url} offers {resp.content_length} bytes, above snapshot_bytes_max {snapshot_bytes_max}"
+                    )
                 data = await resp.content.read(snapshot_bytes_max + 1)
                 while len(data) <= snapshot_bytes_max and not resp.content.at_eof():
                     more = await resp.content.read(snapshot_bytes_max + 1 - len(data))
                     if not more:
                         break
                     data += more
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise PeerError(f"cannot fetch a snapshot from {url}: {type(exc).__name__}: {exc}") from exc
     if len(data) > snapshot_bytes_max:
         raise PeerError(f"snapshot from {url} is above snapshot_bytes_max {snapshot_bytes_max}")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 
 from ddiloco.core import tape as tapes
-from ddiloco.net import recording
 from ddiloco.core.events import Effect, Event
 from ddiloco.core.syncer import SyncerState
 from ddiloco.core.vclock import VClock, VClockError
+from ddiloco.net import recording
 
 __all__ = ["SYNCER_CLOCK_NAME", "Recorder"]
 

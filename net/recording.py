@@ -101,7 +101,10 @@ class RecordWriter:
             raise TapeError(f"cannot append to tape {self.directory}: {files.describe(exc)}") from exc
         records, nbytes = self._since_sync
         self._since_sync = (records + 1, nbytes + len(data))
-        if self._since_sync[0] >= self.options.fsync_every_records or self._since_sync[1] >= self.options.fsync_every_bytes:
+        if (
+            self._since_sync[0] >= self.options.fsync_every_records
+            or self._since_sync[1] >= self.options.fsync_every_bytes
+        ):
             self.sync()
 
 
@@ -109,7 +112,9 @@ class TapeWriter(RecordWriter):
     """Appends records to a new syncer tape. The syncer's core thread owns it."""
 
     @classmethod
-    def create(cls, directory: Path | str, state: SyncerState, source: str = "", options: TapeOptions = TapeOptions()) -> TapeWriter:
+    def create(
+        cls, directory: Path | str, state: SyncerState, source: str = "", options: TapeOptions = TapeOptions()
+    ) -> TapeWriter:
         """Start a tape for a syncer about to run from `state` (it must not have handled events yet
         for this run). `source` says where the state came from, for the header."""
         directory = Path(directory)
@@ -186,7 +191,9 @@ def load_payload(directory: Path | str, sha: str, where: str = "tape") -> bytes:
     try:
         body = path.read_bytes()
     except FileNotFoundError:
-        raise TapeError(f"{where}: payload {str(sha)[:16]} was not kept in {PAYLOAD_DIR}/ (recorded without payloads, or deleted)") from None
+        raise TapeError(
+            f"{where}: payload {str(sha)[:16]} was not kept in {PAYLOAD_DIR}/ (recorded without payloads, or deleted)"
+        ) from None
     except OSError as exc:
         raise TapeError(f"{where}: cannot read payload {str(sha)[:16]}: {files.describe(exc)}") from exc
     got = hashlib.sha256(body).hexdigest()

@@ -141,8 +141,16 @@ class SyncerServer:
         self.started_at = clock()
         self.recorder = Recorder(tape)
         # Raises StoreError at once when the directory belongs to another run (net.store).
-        checkpoint_store = None if config.checkpoint_dir is None else store.CheckpointStore.open(
-            config.checkpoint_dir, config.run_id, overwrite=config.checkpoint_overwrite, keep=config.checkpoints_kept)
+        checkpoint_store = (
+            None
+            if config.checkpoint_dir is None
+            else store.CheckpointStore.open(
+                config.checkpoint_dir,
+                config.run_id,
+                overwrite=config.checkpoint_overwrite,
+                keep=config.checkpoints_kept,
+            )
+        )
         self.checkpoints = Checkpoints(checkpoint_store, self.metrics)
         self.snapshots = snapshots.Taker(config.snapshot_dir, config.snapshots_kept)
         self.core: CoreLoop[CoreItem] = CoreLoop(self._on_item, config.events_queued_max, clock)
@@ -155,10 +163,25 @@ class SyncerServer:
         self._stopping = False
         self._background: set[asyncio.Task] = set()
         self._snapshot_waiters: list[asyncio.Future] = []  # the event loop's
-        self.sessions = Sessions(config, self.metrics, self.core, self.recorder, self.checkpoints, clock,
-                                 self._spawn, lambda: self._stopping, self.guard)
-        self.shell = Shell(state, self.sessions, merge_cost=self._merge_cost, stopwatch=time.perf_counter,
-                           before=self._before, observe=self._after)
+        self.sessions = Sessions(
+            config,
+            self.metrics,
+            self.core,
+            self.recorder,
+            self.checkpoints,
+            clock,
+            self._spawn,
+            lambda: self._stopping,
+            self.guard,
+        )
+        self.shell = Shell(
+            state,
+            self.sessions,
+            merge_cost=self._merge_cost,
+            stopwatch=time.perf_counter,
+            before=self._before,
+            observe=self._after,
+        )
         self.view: SyncerView = view_of(state)  # replaced by the core thread after each item
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -206,13 +229,19 @@ class SyncerServer:
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self._runner.setup()
         # Our own listener rather than a TCPSite: every connection's protocol is wrapped by the guard.
-        self._listener = await loop.create_server(self.guard.wrap(self._runner.server), self.config.host,
-                                                  self.config.port, reuse_address=True,
-                                                  ssl=ssl_context)
+        self._listener = await loop.create_server(
+            self.guard.wrap(self._runner.server),
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            ssl=ssl_context,
+        )
         self.port = self._listener.sockets[0].getsockname()[1]  # the port the OS chose for port 0
         if self.config.snapshot_every_s:
             self._spawn(self._snapshot_timer())
-        log.info("syncer listening on %s:%d%s", self.config.host, self.port, " (TLS: https, wss)" if ssl_context else "")
+        log.info(
+            "syncer listening on %s:%d%s", self.config.host, self.port, " (TLS: https, wss)" if ssl_context else ""
+        )
         return self.port
 
     async def stop(self, *, checkpoint: bool = True) -> None:
@@ -228,8 +257,10 @@ class SyncerServer:
         await self.core.stop()
         if self.core.failure is not None and self._in_core:
             checkpoint = False
-            log.critical("no last checkpoint: the core failed inside an event and its state may be half-changed; "
-                         "the newest checkpoint on disk is the last good state")
+            log.critical(
+                "no last checkpoint: the core failed inside an event and its state may be half-changed; "
+                "the newest checkpoint on disk is the last good state"
+            )
         abandoned = await self.core.run_after_stop(self.snapshots.abandon)
         if abandoned is not None:
             log.warning("snapshot %d abandoned: the syncer is stopping", abandoned)
@@ -298,11 +329,20 @@ class SyncerServer:
         conn = item.conn
         learner = self.shell.learner_on(conn)
         kind = type(item.message).__name__ if isinstance(item, Incoming) else type(item).__name__
-        log.error("learner %s (connection %d): handling its %s failed, dropping it: %s: %s",
-                  learner, conn, kind, type(exc).__name__, exc, exc_info=exc)
+        log.error(
+            "learner %s (connection %d): handling its %s failed, dropping it: %s: %s",
+            learner,
+            conn,
+            kind,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
         self.metrics.count(self.metrics.wire_errors, "internal")
-        error = wire.WireError(msg.ErrorCode.INTERNAL, f"the syncer failed on this learner's {kind}: "
-                               f"{type(exc).__name__}: {exc}"[:ERROR_TEXT_CHARS_MAX])
+        error = wire.WireError(
+            msg.ErrorCode.INTERNAL,
+            f"the syncer failed on this learner's {kind}: {type(exc).__name__}: {exc}"[:ERROR_TEXT_CHARS_MAX],
+        )
         self.sessions.post(lambda: self.sessions.refuse_message(conn, error))
         if not isinstance(item, Closed):  # (a Closed item has taken the learner off the tables already)
             self.shell.closed(conn, f"internal error: {type(exc).__name__}", now)
@@ -329,7 +369,9 @@ class SyncerServer:
         message, learner = item.message, self.shell.learner_on(item.conn)
         if isinstance(message, msg.LocalState):
             if learner is not None:
-                problem, outcome = self.snapshots.local_state(learner, message.snapshot, bytes(message.payload), message.sha256, now)
+                problem, outcome = self.snapshots.local_state(
+                    learner, message.snapshot, bytes(message.payload), message.sha256, now
+                )
                 if problem:
                     log.warning("%s", problem)
                 self._snapshot_ended(outcome)
@@ -371,7 +413,12 @@ class SyncerServer:
             error = exc  # (the name `exc` is gone after the except block; the lambda runs later)
             self.sessions.post(lambda: _settle(item.done, None, error))
             return
-        log.info("snapshot %d started (%s): syncer state recorded, markers to %d learners", snap.ident, item.reason, len(learners))
+        log.info(
+            "snapshot %d started (%s): syncer state recorded, markers to %d learners",
+            snap.ident,
+            item.reason,
+            len(learners),
+        )
         self.sessions.post(lambda: self._snapshot_waiters.append(item.done))
         for learner in learners:
             self.sessions.send_marker(self.shell.conn_of[learner], snap.ident)
@@ -386,8 +433,14 @@ class SyncerServer:
             self.sessions.post(lambda: self._answer_snapshot(error))
             return
         r = outcome.summary
-        log.info("snapshot %d complete: %s (%d learners, %d messages in flight, %d left out)",
-                 r["snapshot"], Path(r["directory"]).name, r["learners"], r["inflight"], len(r["left_out"]))
+        log.info(
+            "snapshot %d complete: %s (%d learners, %d messages in flight, %d left out)",
+            r["snapshot"],
+            Path(r["directory"]).name,
+            r["learners"],
+            r["inflight"],
+            len(r["left_out"]),
+        )
         self.sessions.post(lambda: self._answer_snapshot(None, r))
 
     # ---- on the event loop --------------------------------------------------------------------------

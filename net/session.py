@@ -14,7 +14,6 @@ the connection's. No header is stripped or rebuilt on the way: the body is what 
 from __future__ import annotations
 
 import hashlib
-
 import logging
 from dataclasses import dataclass
 
@@ -72,7 +71,7 @@ class WelcomeInfo:
     versions: tuple[int, ...]
     global_step: int
     needs_init: bool
-    peers: tuple["PeerInfo", ...] = ()  # live learners serving their state, by learner id
+    peers: tuple[PeerInfo, ...] = ()  # live learners serving their state, by learner id
     period: int = 1  # the round schedule: fragment p's round opens at global steps t, t mod period == offsets[p]
     offsets: tuple[int, ...] = ()
 
@@ -178,17 +177,29 @@ def parse_peers(text: str) -> tuple[PeerInfo, ...]:
 
 
 def hello_frames(
-    name: str, tensors: tuple[TensorSpec, ...], message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None,
+    name: str,
+    tensors: tuple[TensorSpec, ...],
+    message_id: int,
+    limits: wire.WireLimits,
+    clock: dict[str, int] | None = None,
     peer_url: str = "",
 ) -> list:
     hello = msg.Hello(
-        name=name, layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock=clock or {},
-        tensors_json=tensors_json(tensors), peer_url=peer_url,
+        name=name,
+        layout_digest="0" * 64,
+        shard=0,
+        resume_learner_id=None,
+        held_versions=(),
+        clock=clock or {},
+        tensors_json=tensors_json(tensors),
+        peer_url=peer_url,
     )
     return wire.encode(hello, message_id=message_id, limits=limits)
 
 
-def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
+def progress_frames(
+    p: ProgressInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+) -> list:
     m = msg.Progress(
         step=p.step, fragment_steps=p.steps, fragment_tokens=p.tokens, clock=clock or {}, held_versions=p.versions
     )
@@ -196,14 +207,18 @@ def progress_frames(p: ProgressInfo, message_id: int, limits: wire.WireLimits, c
 
 
 def bulk_frames(
-    item: ev.Push | InitInfo | LocalStateInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+    item: ev.Push | InitInfo | LocalStateInfo,
+    message_id: int,
+    limits: wire.WireLimits,
+    clock: dict[str, int] | None = None,
 ) -> list:
     """The frames of a bulk message; the payload is copied once, into them (`wire.encode`)."""
     if isinstance(item, ev.Push):
         return wire.encode(push_message(item, clock or {}), message_id=message_id, limits=limits)
     if isinstance(item, LocalStateInfo):
-        m = msg.LocalState(snapshot=item.snapshot, sha256=hashlib.sha256(item.data).hexdigest(), clock=clock or {},
-                           payload=item.data)
+        m = msg.LocalState(
+            snapshot=item.snapshot, sha256=hashlib.sha256(item.data).hexdigest(), clock=clock or {}, payload=item.data
+        )
         return wire.encode(m, message_id=message_id, limits=limits)
     enc = codecs.parse(item.payload)
     m = msg.Init(fragment=item.fragment, element_count=enc.elements, clock=clock or {}, payload=enc.body)
@@ -216,8 +231,16 @@ def push_message(push: ev.Push, clock: dict[str, int]) -> msg.Push:
     block is at least 1; a codec without blocks reads it as 0 (`push_event`)."""
     enc = push.payload
     return msg.Push(
-        fragment=push.fragment, round=push.round, base_version=push.base_version, steps=push.steps, tokens=push.tokens,
-        codec=enc.codec, block=max(enc.block, 1), element_count=enc.elements, clock=clock, payload=enc.body,
+        fragment=push.fragment,
+        round=push.round,
+        base_version=push.base_version,
+        steps=push.steps,
+        tokens=push.tokens,
+        codec=enc.codec,
+        block=max(enc.block, 1),
+        element_count=enc.elements,
+        clock=clock,
+        payload=enc.body,
     )
 
 
@@ -233,8 +256,15 @@ def client_view(m: msg.Message) -> object:
     if isinstance(m, msg.Welcome):
         layout = orjson.loads(m.layout_json)
         return WelcomeInfo(
-            m.learner_id, layout, m.layout_digest, m.versions, m.global_step, m.needs_init, parse_peers(m.peers_json),
-            m.sync_every_steps, m.fragment_offsets,
+            m.learner_id,
+            layout,
+            m.layout_digest,
+            m.versions,
+            m.global_step,
+            m.needs_init,
+            parse_peers(m.peers_json),
+            m.sync_every_steps,
+            m.fragment_offsets,
         )
     if isinstance(m, msg.Request):
         return RequestInfo(m.fragment, m.round, m.base_version)
@@ -269,19 +299,30 @@ def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | N
     if isinstance(m, msg.Bye):
         return ev.Disconnect(learner, f"bye: {m.reason}")
     if isinstance(m, (msg.Error, msg.LocalState)):
-        return None  # a learner's complaint (logged by the caller), or a snapshot's (net.snapshot): nothing for the core
+        return (
+            None  # a learner's complaint (logged by the caller), or a snapshot's (net.snapshot): nothing for the core
+        )
     raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"learners do not send {type(m).__name__}")
 
 
-def frames_for(effect: ev.Effect, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None) -> list:
+def frames_for(
+    effect: ev.Effect, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+) -> list:
     """The frames carrying a core effect that sends something."""
     if isinstance(effect, ev.SendWelcome):
         frags = effect.layout["fragments"]
         m = msg.Welcome(
-            learner_id=effect.learner, layout_digest=effect.digest, fragment_count=len(frags),
-            versions=tuple(max(v, 0) for v in effect.versions), sync_every_steps=effect.period,
-            fragment_offsets=effect.offsets or tuple(0 for _ in frags), global_step=effect.global_step, codec="int4",
-            codec_block=effect.layout["block"], clock=clock or {}, needs_init=effect.needs_init,
+            learner_id=effect.learner,
+            layout_digest=effect.digest,
+            fragment_count=len(frags),
+            versions=tuple(max(v, 0) for v in effect.versions),
+            sync_every_steps=effect.period,
+            fragment_offsets=effect.offsets or tuple(0 for _ in frags),
+            global_step=effect.global_step,
+            codec="int4",
+            codec_block=effect.layout["block"],
+            clock=clock or {},
+            needs_init=effect.needs_init,
             layout_json=orjson.dumps(effect.layout).decode(),
             peers_json=orjson.dumps([[i, u, list(v)] for i, u, v in effect.peers]).decode() if effect.peers else "",
         )
@@ -299,10 +340,18 @@ def marker_frames(snapshot: int, message_id: int, limits: wire.WireLimits, clock
 
 
 def update_frames(
-    fragment: int, version: int, codec: str, values, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
+    fragment: int,
+    version: int,
+    codec: str,
+    values,
+    message_id: int,
+    limits: wire.WireLimits,
+    clock: dict[str, int] | None = None,
 ) -> list:
     """The frames of one fragment update (values: float32 or bf16 bits, copied into the frames)."""
-    m = msg.Update(fragment=fragment, version=version, codec=codec, element_count=values.size, clock=clock or {}, payload=values)
+    m = msg.Update(
+        fragment=fragment, version=version, codec=codec, element_count=values.size, clock=clock or {}, payload=values
+    )
     return wire.encode(m, message_id=message_id, limits=limits)
 
 

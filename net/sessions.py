@@ -19,7 +19,6 @@ from aiohttp import WSMsgType, web
 
 from ddiloco.core.events import Log, Merged, SendWelcome
 from ddiloco.core.syncer import SyncerState
-from ddiloco.net.messages import LEARNER_KINDS
 from ddiloco.net import messages as msg
 from ddiloco.net import session, wire
 from ddiloco.net.auth import bearer_matches
@@ -28,6 +27,7 @@ from ddiloco.net.connection import Connection, SlowPeerError
 from ddiloco.net.core_loop import CoreLoop
 from ddiloco.net.guard import Guard
 from ddiloco.net.items import Closed, Incoming, Opened, Wake
+from ddiloco.net.messages import LEARNER_KINDS
 from ddiloco.net.recorder import Recorder
 from ddiloco.net.shell import Control
 from ddiloco.net.telemetry import Metrics
@@ -39,8 +39,18 @@ CLOSE_FLUSH_S_MAX = 1.0  # how long a closing connection may take to send the er
 
 
 class Sessions:
-    def __init__(self, config, metrics: Metrics, core: CoreLoop, recorder: Recorder, checkpoints: Checkpoints,
-                 clock: Callable[[], float], spawn: Callable, stopping: Callable[[], bool], guard: Guard | None = None):
+    def __init__(
+        self,
+        config,
+        metrics: Metrics,
+        core: CoreLoop,
+        recorder: Recorder,
+        checkpoints: Checkpoints,
+        clock: Callable[[], float],
+        spawn: Callable,
+        stopping: Callable[[], bool],
+        guard: Guard | None = None,
+    ):
         self.config, self.metrics, self.core, self.guard = config, metrics, core, guard
         self.recorder, self.checkpoints, self.clock = recorder, checkpoints, clock
         self._spawn, self._stopping = spawn, stopping
@@ -200,8 +210,9 @@ class Sessions:
     def send_update(self, conns: tuple[int, ...], fragment: int, codec: str, version: int, values: np.ndarray) -> None:
         # One set of frames per version, shared by every connection; a queued older version of the
         # fragment that has not started to go out is replaced by it (net.connection).
-        frames = session.update_frames(fragment, version, codec, values, self.message_id(), self.config.wire,
-                                       self.recorder.vclock.as_dict())
+        frames = session.update_frames(
+            fragment, version, codec, values, self.message_id(), self.config.wire, self.recorder.vclock.as_dict()
+        )
 
         def queue() -> None:
             for conn in conns:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
 from ddiloco.core import syncer as core
 from ddiloco.core.events import (
     ArmTimer,
@@ -150,7 +151,9 @@ class Shell:
         """Run the core on `event` and carry out its effects (events a link raises meanwhile follow)."""
         self._queued.append(event)
         if self._busy:
-            assert len(self._queued) <= NESTED_EVENTS_MAX, "events keep raising events: a loop between a link and the shell"
+            assert len(self._queued) <= NESTED_EVENTS_MAX, (
+                "events keep raising events: a loop between a link and the shell"
+            )
             return
         self._busy = True
         try:

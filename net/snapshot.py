@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+
 from ddiloco.core import checkpoint
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
 from ddiloco.core.syncer import SyncerState, state_hash
+from ddiloco.errors import UserError
 from ddiloco.net import files
 from ddiloco.net.store import NO_RUN, checkpoint_name
-from ddiloco.errors import UserError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -75,7 +76,9 @@ class Snapshot:
     meta: dict = field(default_factory=dict)
 
 
-def begin(root: Path, ident: int, state: SyncerState, learners: dict[int, str], vclock: dict[str, int], now: float) -> Snapshot:
+def begin(
+    root: Path, ident: int, state: SyncerState, learners: dict[int, str], vclock: dict[str, int], now: float
+) -> Snapshot:
     """Record the syncer's state (on the core thread, between two events) and open a channel per learner."""
     final = Path(root) / f"snap-{state.merges:012d}-{ident:06d}"
     tmp = final.with_name(f".{final.name}.tmp")
@@ -87,9 +90,18 @@ def begin(root: Path, ident: int, state: SyncerState, learners: dict[int, str], 
         files.write_atomic(tmp / name, chunks, what=f"write snapshot {ident}'s syncer state")
     except OSError as exc:
         raise SnapshotError(f"snapshot {ident} not taken in {root}: {files.describe(exc)}") from exc
-    snap = Snapshot(ident, tmp, final, name, tuple(f.version for f in state.fragments), state.global_step,
-                    dict(learners), now, open=set(learners),
-                    meta={"syncer_state_hash": state_hash(state), "syncer_clock": dict(vclock), "merges": state.merges})
+    snap = Snapshot(
+        ident,
+        tmp,
+        final,
+        name,
+        tuple(f.version for f in state.fragments),
+        state.global_step,
+        dict(learners),
+        now,
+        open=set(learners),
+        meta={"syncer_state_hash": state_hash(state), "syncer_clock": dict(vclock), "merges": state.merges},
+    )
     return snap
 
 
@@ -108,7 +120,9 @@ def record_inflight(snap: Snapshot, event: ev.Event) -> None:
         if isinstance(value, codecs.Encoded):
             body = value.body  # scales then codes, as received
             sha = hashlib.sha256(body).hexdigest()
-            files.write_atomic(snap.directory / INFLIGHT_DIR / sha, [body], what=f"write snapshot {snap.ident}'s message in flight")
+            files.write_atomic(
+                snap.directory / INFLIGHT_DIR / sha, [body], what=f"write snapshot {snap.ident}'s message in flight"
+            )
             value = {"codec": value.codec.value, "block": value.block, "elements": value.elements, "sha256": sha}
         elif isinstance(value, tuple):
             value = list(value)
@@ -152,15 +166,24 @@ def finish(snap: Snapshot, now: float, kept: int = SNAPSHOTS_KEPT_DEFAULT) -> Pa
             if isinstance(value, dict) and "sha256" in value:
                 digests[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
     manifest = {
-        "format": FORMAT, "snapshot": snap.ident, "syncer": snap.syncer_file, **snap.meta,
-        "versions": list(snap.versions), "global_step": snap.global_step, "seconds": round(now - snap.started_at, 3),
+        "format": FORMAT,
+        "snapshot": snap.ident,
+        "syncer": snap.syncer_file,
+        **snap.meta,
+        "versions": list(snap.versions),
+        "global_step": snap.global_step,
+        "seconds": round(now - snap.started_at, 3),
         "learners": {str(k): v for k, v in sorted(snap.states.items())},
         "left_out": {str(k): v for k, v in sorted(snap.left_out.items())},
-        "inflight": snap.inflight, "files": digests,
+        "inflight": snap.inflight,
+        "files": digests,
     }
     try:
-        files.write_atomic(snap.directory / MANIFEST, [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)],
-                           what=f"write snapshot {snap.ident}'s manifest")
+        files.write_atomic(
+            snap.directory / MANIFEST,
+            [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)],
+            what=f"write snapshot {snap.ident}'s manifest",
+        )
         os.replace(snap.directory, snap.final)
         files.fsync_directory(snap.final.parent)
         _prune(snap.final.parent, kept)
@@ -193,9 +216,13 @@ class Taker:
     def start(self, state: SyncerState, learners: dict[int, str], vclock: dict[str, int], now: float) -> Snapshot:
         """Begin a snapshot (SnapshotError when none can be taken now): markers go to `learners`."""
         problem = (
-            "no snapshot directory configured" if self.root is None
-            else "the syncer holds no parameters yet" if not state.holds_parameters
-            else f"snapshot {self.taking.ident} is still being taken" if self.taking is not None else None
+            "no snapshot directory configured"
+            if self.root is None
+            else "the syncer holds no parameters yet"
+            if not state.holds_parameters
+            else f"snapshot {self.taking.ident} is still being taken"
+            if self.taking is not None
+            else None
         )
         if problem:
             raise SnapshotError(f"no snapshot: {problem}")
@@ -216,7 +243,9 @@ class Taker:
             return f"snapshot {snap.ident} abandoned: {exc}"
         return None
 
-    def local_state(self, learner: int, ident: int, data: bytes, sha256: str, now: float) -> tuple[str | None, Outcome | None]:
+    def local_state(
+        self, learner: int, ident: int, data: bytes, sha256: str, now: float
+    ) -> tuple[str | None, Outcome | None]:
         """A learner's local state arrived: (what is wrong with it, if anything; the outcome, if it ended)."""
         snap = self.taking
         if snap is None or snap.ident != ident:
@@ -245,8 +274,13 @@ class Taker:
         except SnapshotError as exc:
             abandon(snap)
             return Outcome(snap.ident, None, exc)
-        summary = {"snapshot": snap.ident, "directory": str(path), "learners": len(snap.states),
-                   "inflight": len(snap.inflight), "left_out": {str(k): v for k, v in snap.left_out.items()}}
+        summary = {
+            "snapshot": snap.ident,
+            "directory": str(path),
+            "learners": len(snap.states),
+            "inflight": len(snap.inflight),
+            "left_out": {str(k): v for k, v in snap.left_out.items()},
+        }
         return Outcome(snap.ident, summary, None)
 
 
@@ -269,9 +303,13 @@ def read(directory: Path | str) -> dict:
         try:
             got = _sha256_file(directory / name)
         except OSError as exc:
-            raise SnapshotError(f"snapshot {directory.name}: {name} is missing or unreadable ({exc.strerror or exc})") from exc
+            raise SnapshotError(
+                f"snapshot {directory.name}: {name} is missing or unreadable ({exc.strerror or exc})"
+            ) from exc
         if got != sha:
-            raise SnapshotError(f"snapshot {directory.name}: {name} hashes {got[:16]}, the manifest says {sha[:16]} (damaged)")
+            raise SnapshotError(
+                f"snapshot {directory.name}: {name} hashes {got[:16]}, the manifest says {sha[:16]} (damaged)"
+            )
     return manifest
 
 

@@ -102,9 +102,16 @@ class Health:
         return self.failures_since_written == 0
 
     def as_dict(self) -> dict:
-        return {"ok": self.ok, "written_at": self.written_at, "written": self.written, "merges": self.merges,
-                "versions": list(self.versions), "error": self.error, "error_at": self.error_at,
-                "failures_since_written": self.failures_since_written}
+        return {
+            "ok": self.ok,
+            "written_at": self.written_at,
+            "written": self.written,
+            "merges": self.merges,
+            "versions": list(self.versions),
+            "error": self.error,
+            "error_at": self.error_at,
+            "failures_since_written": self.failures_since_written,
+        }
 
 
 @dataclass(frozen=True, order=True)
@@ -199,11 +206,18 @@ class CheckpointStore:
             written = self._write(state)
         except (OSError, StoreError) as exc:
             text = f"checkpoint not written: {exc}"
-            self.health = replace(self.health, error=text, error_at=now,
-                                  failures_since_written=self.health.failures_since_written + 1)
+            self.health = replace(
+                self.health, error=text, error_at=now, failures_since_written=self.health.failures_since_written + 1
+            )
             raise StoreError(text) from exc
-        self.health = replace(self.health, written_at=now, written=written.path.name, merges=state.merges,
-                              versions=tuple(f.version for f in state.fragments), failures_since_written=0)
+        self.health = replace(
+            self.health,
+            written_at=now,
+            written=written.path.name,
+            merges=state.merges,
+            versions=tuple(f.version for f in state.fragments),
+            failures_since_written=0,
+        )
         try:
             self._prune(written)
         except OSError as exc:
@@ -256,8 +270,10 @@ def newest_valid(directory: Path | str) -> tuple[SyncerState, Path]:
             continue
         return state, f.path
     others = sorted({f.run for f in found} - {run})
-    raise StoreError(f"no valid checkpoint of run {run} in {directory}"
-                     + (f" (not falling back to another run's: {', '.join(others)})" if others else ""))
+    raise StoreError(
+        f"no valid checkpoint of run {run} in {directory}"
+        + (f" (not falling back to another run's: {', '.join(others)})" if others else "")
+    )
 
 
 def _parse(path: Path) -> _Found | None:

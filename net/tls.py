@@ -64,5 +64,10 @@ def is_certificate_error(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, ssl.SSLCertVerificationError):
             return True
-        exc = exc.__cause__ or exc.__context__ or getattr(exc, "os_error", None) or getattr(exc, "certificate_error", None)
+        exc = (
+            exc.__cause__
+            or exc.__context__
+            or getattr(exc, "os_error", None)
+            or getattr(exc, "certificate_error", None)
+        )
     return False

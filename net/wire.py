@@ -91,20 +91,17 @@ class WireLimits:
     messages_in_flight_max: int = MESSAGES_IN_FLIGHT_MAX_DEFAULT
 
     def __post_init__(self) -> None:
-        for name in ("frame_bytes_max", "message_bytes_max", "control_bytes_max",
-                     "messages_in_flight_max"):
+        for name in ("frame_bytes_max", "message_bytes_max", "control_bytes_max", "messages_in_flight_max"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"WireLimits.{name} must be a positive int, got {value!r}")
         if self.control_bytes_max < CONTROL_BYTES_MIN or self.control_bytes_max > U32_MAX:
             raise ValueError(
-                f"WireLimits.control_bytes_max must be in [{CONTROL_BYTES_MIN}, 2**32),"
-                f" got {self.control_bytes_max}"
+                f"WireLimits.control_bytes_max must be in [{CONTROL_BYTES_MIN}, 2**32), got {self.control_bytes_max}"
             )
         if self.frame_bytes_max < FRAME_BYTES_MIN:
             raise ValueError(
-                f"WireLimits.frame_bytes_max must be at least {FRAME_BYTES_MIN}, got"
-                f" {self.frame_bytes_max}"
+                f"WireLimits.frame_bytes_max must be at least {FRAME_BYTES_MIN}, got {self.frame_bytes_max}"
             )
         if not self.control_bytes_max <= self.message_bytes_max <= I64_MAX:
             raise ValueError(
@@ -112,9 +109,7 @@ class WireLimits:
                 f" control_bytes_max ({self.control_bytes_max}) and below 2**63"
             )
         if -(-self.message_bytes_max // self.frame_data_bytes_max) > U32_MAX:
-            raise ValueError(
-                "WireLimits: message_bytes_max / frame_bytes_max needs more than 2**32 chunks"
-            )
+            raise ValueError("WireLimits: message_bytes_max / frame_bytes_max needs more than 2**32 chunks")
 
     @property
     def max_msg_size(self) -> int:
@@ -185,8 +180,9 @@ def encode(message: Message, *, message_id: int, limits: WireLimits) -> list[mem
         data_bytes = min(capacity, body_bytes - offset)
         frame = buffer[start : start + HEADER_BYTES + data_bytes]
         _fill_data(frame[HEADER_BYTES:], meta, payload, offset)
-        header = _Header(MAGIC, PROTOCOL_VERSION, message.KIND, 0, message_id, index,
-                         chunk_count, offset, len(payload), len(meta), 0)
+        header = _Header(
+            MAGIC, PROTOCOL_VERSION, message.KIND, 0, message_id, index, chunk_count, offset, len(payload), len(meta), 0
+        )
         HEADER.pack_into(frame, 0, *header)
         struct.pack_into("<I", frame, CRC_OFFSET, _frame_crc(frame))
         frames.append(frame.toreadonly())
@@ -220,17 +216,23 @@ def _check_sizes(kind: Kind, meta_bytes: int, payload_bytes: int, limits: WireLi
     `limits` (OVERSIZED). Both sides call it: the sender before writing, the receiver before
     allocating."""
     if kind not in BULK_KINDS and payload_bytes != 0:
-        raise WireError(ErrorCode.BAD_FRAME, f"{kind.name.lower()} is a control kind and"
-                        f" carries no payload, header declares {payload_bytes} bytes")
+        raise WireError(
+            ErrorCode.BAD_FRAME,
+            f"{kind.name.lower()} is a control kind and carries no payload, header declares {payload_bytes} bytes",
+        )
     if meta_bytes < META_BYTES_MIN:
-        raise WireError(ErrorCode.BAD_FRAME,
-                        f"meta of {meta_bytes} bytes cannot hold a JSON object")
+        raise WireError(ErrorCode.BAD_FRAME, f"meta of {meta_bytes} bytes cannot hold a JSON object")
     if meta_bytes > limits.control_bytes_max:
-        raise WireError(ErrorCode.OVERSIZED, f"{kind.name.lower()} meta of {meta_bytes} bytes"
-                        f" exceeds control_bytes_max {limits.control_bytes_max}")
+        raise WireError(
+            ErrorCode.OVERSIZED,
+            f"{kind.name.lower()} meta of {meta_bytes} bytes exceeds control_bytes_max {limits.control_bytes_max}",
+        )
     if meta_bytes + payload_bytes > limits.message_bytes_max:
-        raise WireError(ErrorCode.OVERSIZED, f"{kind.name.lower()} of {meta_bytes + payload_bytes}"
-                        f" bytes exceeds message_bytes_max {limits.message_bytes_max}")
+        raise WireError(
+            ErrorCode.OVERSIZED,
+            f"{kind.name.lower()} of {meta_bytes + payload_bytes}"
+            f" bytes exceeds message_bytes_max {limits.message_bytes_max}",
+        )
 
 
 @dataclass
@@ -289,8 +291,7 @@ class Reassembler:
     def feed(self, frame: bytes | bytearray | memoryview) -> Message | None:
         """Take one frame; return the message it completes, else None. Raises `WireError`."""
         if self._broken is not None:
-            raise WireError(self._broken.code,
-                            f"connection unusable after an earlier error: {self._broken.text}")
+            raise WireError(self._broken.code, f"connection unusable after an earlier error: {self._broken.text}")
         try:
             view = memoryview(frame).cast("B")
             header = self._header(view)
@@ -306,26 +307,36 @@ class Reassembler:
     def _header(self, view: memoryview) -> _Header:
         """Unpack and check the parts of the header that need no per-message state."""
         if len(view) < HEADER_BYTES:
-            raise WireError(ErrorCode.BAD_FRAME, f"frame of {len(view)} bytes is shorter than"
-                            f" the {HEADER_BYTES}-byte header")
+            raise WireError(
+                ErrorCode.BAD_FRAME, f"frame of {len(view)} bytes is shorter than the {HEADER_BYTES}-byte header"
+            )
         if len(view) > self._limits.frame_bytes_max:
-            raise WireError(ErrorCode.OVERSIZED, f"frame of {len(view)} bytes exceeds"
-                            f" frame_bytes_max {self._limits.frame_bytes_max}")
+            raise WireError(
+                ErrorCode.OVERSIZED,
+                f"frame of {len(view)} bytes exceeds frame_bytes_max {self._limits.frame_bytes_max}",
+            )
         header = _Header._make(HEADER.unpack_from(view))
         if header.magic != MAGIC:
             raise WireError(ErrorCode.BAD_FRAME, f"bad magic {header.magic!r}, expected {MAGIC!r}")
         if header.version not in SUPPORTED_VERSIONS:
-            raise WireError(ErrorCode.PROTOCOL_VERSION, f"protocol version {header.version} is"
-                            f" not understood; this peer understands {list(SUPPORTED_VERSIONS)}")
+            raise WireError(
+                ErrorCode.PROTOCOL_VERSION,
+                f"protocol version {header.version} is"
+                f" not understood; this peer understands {list(SUPPORTED_VERSIONS)}",
+            )
         if _frame_crc(view) != header.crc:
-            raise WireError(ErrorCode.CHECKSUM, f"crc32 mismatch in a frame of {len(view)} bytes"
-                            f" (message {header.message_id}, chunk {header.chunk_index})")
+            raise WireError(
+                ErrorCode.CHECKSUM,
+                f"crc32 mismatch in a frame of {len(view)} bytes"
+                f" (message {header.message_id}, chunk {header.chunk_index})",
+            )
         # from here on the header is intact: the fields are what the peer sent
         if header.flags != 0:
             raise WireError(ErrorCode.BAD_FRAME, f"flags {header.flags:#x} set; version 1 has none")
         if not header.chunk_index < header.chunk_count:
-            raise WireError(ErrorCode.BAD_FRAME, f"chunk index {header.chunk_index} not below"
-                            f" chunk count {header.chunk_count}")
+            raise WireError(
+                ErrorCode.BAD_FRAME, f"chunk index {header.chunk_index} not below chunk count {header.chunk_count}"
+            )
         return header
 
     def _whole(self, header: _Header, view: memoryview) -> Message:
@@ -335,11 +346,12 @@ class Reassembler:
             kind = self._kind(header)
             _check_sizes(kind, header.meta_bytes, header.payload_bytes, self._limits)
             if header.message_id in self._partials:
-                raise WireError(ErrorCode.BAD_FRAME,
-                                f"message id {header.message_id} is already in flight")
+                raise WireError(ErrorCode.BAD_FRAME, f"message id {header.message_id} is already in flight")
             if len(view) - HEADER_BYTES != header.body_bytes:
-                raise WireError(ErrorCode.BAD_FRAME, f"frame carries {len(view) - HEADER_BYTES}"
-                                f" body bytes, header declares {header.body_bytes}")
+                raise WireError(
+                    ErrorCode.BAD_FRAME,
+                    f"frame carries {len(view) - HEADER_BYTES} body bytes, header declares {header.body_bytes}",
+                )
             meta_end = HEADER_BYTES + header.meta_bytes
             return _decode(kind, view[HEADER_BYTES:meta_end], view[meta_end:].toreadonly())
         except WireError as error:
@@ -354,8 +366,10 @@ class Reassembler:
         else:
             partial = self._partials.get(header.message_id)
             if partial is None:
-                raise WireError(ErrorCode.BAD_FRAME, f"chunk {header.chunk_index} of message"
-                                f" {header.message_id}, which is not in flight")
+                raise WireError(
+                    ErrorCode.BAD_FRAME,
+                    f"chunk {header.chunk_index} of message {header.message_id}, which is not in flight",
+                )
             self._check_continues(partial, header)
         partial.take(data)
         partial.next_index += 1
@@ -363,8 +377,11 @@ class Reassembler:
             return None
         del self._partials[header.message_id]
         if partial.received_bytes != header.body_bytes:
-            raise WireError(ErrorCode.BAD_FRAME, f"message {header.message_id} ended after"
-                            f" {partial.received_bytes} bytes, header declares {header.body_bytes}")
+            raise WireError(
+                ErrorCode.BAD_FRAME,
+                f"message {header.message_id} ended after"
+                f" {partial.received_bytes} bytes, header declares {header.body_bytes}",
+            )
         assert partial.message is not None  # the meta is complete once every body byte is in
         return partial.message
 
@@ -373,24 +390,26 @@ class Reassembler:
         kind = self._kind(header)
         _check_sizes(kind, header.meta_bytes, header.payload_bytes, self._limits)
         if header.message_id in self._partials:
-            raise WireError(ErrorCode.BAD_FRAME,
-                            f"message id {header.message_id} is already in flight")
+            raise WireError(ErrorCode.BAD_FRAME, f"message id {header.message_id} is already in flight")
         if len(self._partials) >= self._limits.messages_in_flight_max:
-            raise WireError(ErrorCode.OVERLOADED, f"more than messages_in_flight_max"
-                            f" {self._limits.messages_in_flight_max} messages in flight")
+            raise WireError(
+                ErrorCode.OVERLOADED,
+                f"more than messages_in_flight_max {self._limits.messages_in_flight_max} messages in flight",
+            )
         if header.chunk_offset != 0:
-            raise WireError(ErrorCode.BAD_FRAME,
-                            f"first chunk at offset {header.chunk_offset}, not 0")
+            raise WireError(ErrorCode.BAD_FRAME, f"first chunk at offset {header.chunk_offset}, not 0")
         # np.empty reserves address space only; pages are committed as chunks are written
-        partial = _Partial(header, kind, bytearray(header.meta_bytes),
-                           np.empty(header.payload_bytes, dtype=np.uint8), None, 0, 0)
+        partial = _Partial(
+            header, kind, bytearray(header.meta_bytes), np.empty(header.payload_bytes, dtype=np.uint8), None, 0, 0
+        )
         self._partials[header.message_id] = partial
         return partial
 
     def _kind(self, header: _Header) -> Kind:
         if header.kind not in CLASS_OF_KIND:
-            raise WireError(ErrorCode.UNKNOWN_KIND, f"kind {header.kind} is not a kind of"
-                            f" protocol version {header.version}")
+            raise WireError(
+                ErrorCode.UNKNOWN_KIND, f"kind {header.kind} is not a kind of protocol version {header.version}"
+            )
         kind = Kind(header.kind)
         if kind not in self._accepted:
             raise WireError(ErrorCode.UNEXPECTED_KIND, f"{kind.name.lower()} is not accepted here")
@@ -401,23 +420,36 @@ class Reassembler:
         if data_bytes == 0:
             raise WireError(ErrorCode.BAD_FRAME, "frame carries no message bytes")
         if header.chunk_offset + data_bytes > header.body_bytes:
-            raise WireError(ErrorCode.BAD_FRAME, f"chunk at offset {header.chunk_offset} with"
-                            f" {data_bytes} bytes overruns the {header.body_bytes}-byte message")
+            raise WireError(
+                ErrorCode.BAD_FRAME,
+                f"chunk at offset {header.chunk_offset} with"
+                f" {data_bytes} bytes overruns the {header.body_bytes}-byte message",
+            )
 
     def _check_continues(self, partial: _Partial, header: _Header) -> None:
         """A later chunk must repeat the first chunk's declarations and come next in order."""
         first = partial.first
         same = (header.kind, header.chunk_count, header.payload_bytes, header.meta_bytes) == (
-            first.kind, first.chunk_count, first.payload_bytes, first.meta_bytes)
+            first.kind,
+            first.chunk_count,
+            first.payload_bytes,
+            first.meta_bytes,
+        )
         if not same:
-            raise WireError(ErrorCode.BAD_FRAME, f"chunk {header.chunk_index} of message"
-                            f" {header.message_id} disagrees with its first chunk's header")
+            raise WireError(
+                ErrorCode.BAD_FRAME,
+                f"chunk {header.chunk_index} of message {header.message_id} disagrees with its first chunk's header",
+            )
         if header.chunk_index != partial.next_index:
-            raise WireError(ErrorCode.BAD_FRAME, f"message {header.message_id}: chunk"
-                            f" {header.chunk_index} arrived, expected chunk {partial.next_index}")
+            raise WireError(
+                ErrorCode.BAD_FRAME,
+                f"message {header.message_id}: chunk {header.chunk_index} arrived, expected chunk {partial.next_index}",
+            )
         if header.chunk_offset != partial.received_bytes:
-            raise WireError(ErrorCode.BAD_FRAME, f"message {header.message_id}: chunk offset"
-                            f" {header.chunk_offset}, expected {partial.received_bytes}")
+            raise WireError(
+                ErrorCode.BAD_FRAME,
+                f"message {header.message_id}: chunk offset {header.chunk_offset}, expected {partial.received_bytes}",
+            )
 
 
 def _decode(kind: Kind, meta: memoryview, payload: memoryview) -> Message:

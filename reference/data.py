@@ -15,10 +15,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Iterator
 
 import numpy as np
 
@@ -75,7 +75,7 @@ class Shard:
             raise DataError(f"shard must be I/N with 0 <= I < N, got {self.index}/{self.count}")
 
     @classmethod
-    def parse(cls, text: str) -> "Shard":
+    def parse(cls, text: str) -> Shard:
         try:
             i, n = (int(part) for part in text.split("/"))
         except ValueError:
@@ -87,7 +87,9 @@ class Shard:
         return data[self.index * size : (self.index + 1) * size]
 
 
-def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def batches(
+    data: np.ndarray, batch: int, seq: int, rng: np.random.Generator
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless (inputs, targets) int32[batch, seq] windows drawn uniformly from `data`."""
     if batch < 1 or seq < 1:
         raise DataError(f"batch and sequence length must be positive, got {batch} and {seq}")
@@ -147,7 +149,9 @@ def choice_items(count: int, seq: int, seed: int = 0) -> list[ChoiceItem]:
     """
     line_max = seq + 1 - CHOICE_CONTEXT_BYTES_MIN - 1  # room for the context and the newline
     if count < 1 or line_max < CHOICE_LINE_BYTES_MIN:
-        raise DataError(f"need count >= 1 and seq >= {CHOICE_LINE_BYTES_MIN + CHOICE_CONTEXT_BYTES_MIN}, got {count}, {seq}")
+        raise DataError(
+            f"need count >= 1 and seq >= {CHOICE_LINE_BYTES_MIN + CHOICE_CONTEXT_BYTES_MIN}, got {count}, {seq}"
+        )
     text = eval_bytes().tobytes()
     lines, starts = _held_out_lines()
     eligible = np.array([i for i, line in enumerate(lines) if CHOICE_LINE_BYTES_MIN <= len(line) <= line_max and i > 0])
@@ -158,7 +162,11 @@ def choice_items(count: int, seq: int, seed: int = 0) -> list[ChoiceItem]:
         distractors: list[int] = []
         while len(distractors) < CHOICE_OPTIONS - 1:
             j = int(rng.choice(eligible))
-            if abs(j - i) >= CHOICE_DISTRACTOR_DISTANCE_LINES and lines[j] != lines[i] and lines[j] not in [lines[d] for d in distractors]:
+            if (
+                abs(j - i) >= CHOICE_DISTRACTOR_DISTANCE_LINES
+                and lines[j] != lines[i]
+                and lines[j] not in [lines[d] for d in distractors]
+            ):
                 distractors.append(j)
         answer = int(rng.integers(CHOICE_OPTIONS))
         order = distractors[:answer] + [i] + distractors[answer:]

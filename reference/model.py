@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
 from ddiloco.reference import data
 from ddiloco.reference.data import VOCAB
 
@@ -75,11 +77,14 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
                 "down": dense((cfg.experts, cfg.d_ff, d), cfg.d_ff),
             }
         )
-        blocks.append({
-            "norm1": jnp.ones((d,)), "norm2": jnp.ones((d,)),
-            "attn": {"qkv": dense((d, 3 * d), d), "out": dense((d, d), d)},
-            "mlp": mlp,
-        })
+        blocks.append(
+            {
+                "norm1": jnp.ones((d,)),
+                "norm2": jnp.ones((d,)),
+                "attn": {"qkv": dense((d, 3 * d), d), "out": dense((d, d), d)},
+                "mlp": mlp,
+            }
+        )
     return {
         "embed": jax.random.normal(next(keys), (VOCAB, d), jnp.float32) * 0.02,
         "pos_embed": jax.random.normal(next(keys), (cfg.seq, d), jnp.float32) * 0.02,
@@ -176,7 +181,10 @@ CHOICE_RANKINGS = ("pmi", "per_byte", "sum")
 
 
 def make_choice_accuracy(
-    cfg: ModelConfig, count: int = CHOICE_ITEMS, seed: int = 0, ranking: str = "pmi",
+    cfg: ModelConfig,
+    count: int = CHOICE_ITEMS,
+    seed: int = 0,
+    ranking: str = "pmi",
     items: list[data.ChoiceItem] | None = None,
 ) -> Callable[[Any], float]:
     """accuracy(params) -> share of `data.choice_items(count, cfg.seq, seed)` (or of `items`) where

@@ -10,8 +10,8 @@ parameter, so the two searches run separately.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from ddiloco.sim.config import RepairKind, RepairTime, System, SystemConfig, Timings
 from ddiloco.sim.grid import CellResult, run_table1, table1_systems

@@ -156,10 +156,12 @@ class SystemConfig:
             raise SimConfigError(f"{self.system.value} is one job: learners and quorum must be 1")
         _non_negative("speed_sigma", self.speed_sigma)
         if self.speed_sigma >= 1:
-            raise SimConfigError(f"speed_sigma must be below 1 (a spread of speeds, not a factor), got {self.speed_sigma}")
+            raise SimConfigError(
+                f"speed_sigma must be below 1 (a spread of speeds, not a factor), got {self.speed_sigma}"
+            )
 
     @classmethod
-    def of(cls, system: System | str, learners: int = 1, quorum: int = 1, speed_sigma: float = 0.0) -> "SystemConfig":
+    def of(cls, system: System | str, learners: int = 1, quorum: int = 1, speed_sigma: float = 0.0) -> SystemConfig:
         """Build from a system name; the data-parallel systems ignore `learners` and `quorum`."""
         try:
             kind = System(system)

@@ -1,6 +1,7 @@
 """`ddiloco bench syncer` at a tiny size: real learner processes, the real daemon, the baseline."""
 
 import pytest
+
 from ddiloco.bench.syncer import SyncerBenchConfig, format_report, run_syncer_bench
 
 

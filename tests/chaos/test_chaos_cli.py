@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+
 from ddiloco.cli import chaos_sim
 from ddiloco.errors import UserError
 

@@ -5,8 +5,9 @@ change that a broken core could produce is fed to the checker, which must name t
 
 import numpy as np
 import pytest
-from ddiloco.core import checkpoint, codec, syncer
+
 from ddiloco.chaos.invariants import Checker
+from ddiloco.core import checkpoint, codec, syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import InitFragment, Join, Merged, Progress, Push, SendWelcome
 from ddiloco.core.grace import GraceConfig
@@ -47,13 +48,22 @@ class History:
         return self
 
     def progress(self, learner, step):
-        return Progress(learner=learner, step=step, versions=(self.state.fragments[0].version,), steps=(step,), tokens=(100 * step,))
+        return Progress(
+            learner=learner, step=step, versions=(self.state.fragments[0].version,), steps=(step,), tokens=(100 * step,)
+        )
 
     def push(self, learner, round_, tokens=100, steps=1):
         size = self.state.layout.fragments[0].padded_size
         vec = np.full(size, 0.01, dtype=np.float32)
-        return Push(learner=learner, fragment=0, round=round_, base_version=self.state.fragments[0].version,
-                    steps=steps, tokens=tokens, payload=codec.parse(codec.encode(vec, "int4", 8)))
+        return Push(
+            learner=learner,
+            fragment=0,
+            round=round_,
+            base_version=self.state.fragments[0].version,
+            steps=steps,
+            tokens=tokens,
+            payload=codec.parse(codec.encode(vec, "int4", 8)),
+        )
 
 
 def test_a_correct_history_passes():
@@ -102,7 +112,9 @@ def _merge(h, learners, weights):
     """A broken core's merge: the version goes up and a Merged effect says who took part."""
     h.state.fragments[0].version += 1
     h.state.fragments[0].open = None
-    return Merged(fragment=0, version=h.state.fragments[0].version, learners=learners, weights=weights, grace_s=0.0, round_s=0.0)
+    return Merged(
+        fragment=0, version=h.state.fragments[0].version, learners=learners, weights=weights, grace_s=0.0, round_s=0.0
+    )
 
 
 def test_merge_below_quorum_is_caught():
@@ -186,7 +198,9 @@ def test_version_zero_from_a_learner_never_asked_is_caught():
     h.checker._asked_init.clear()
     h.state.fragments[0].theta = np.ones(size, dtype=np.float32)
     h.state.fragments[0].momentum = syncer.outer.init(h.state.fragments[0].theta)
-    v = h.feed(InitFragment(learner=1, fragment=0, payload=codec.parse(codec.encode(np.ones(size, np.float32), "fp32"))))
+    v = h.feed(
+        InitFragment(learner=1, fragment=0, payload=codec.parse(codec.encode(np.ones(size, np.float32), "fp32")))
+    )
     assert v.invariant == "fresh_weights"
 
 

@@ -3,6 +3,7 @@ real client's session bug (queued messages sent under a new learner id) is caugh
 
 import numpy as np
 import pytest
+
 from ddiloco.chaos.faults import FAULT_KINDS, ChaosConfig, draw_plan
 from ddiloco.chaos.run import run_seed
 

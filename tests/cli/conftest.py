@@ -4,6 +4,7 @@ import sys
 import time
 
 import pytest
+
 from ddiloco.net.auth import write_token_file
 
 TOKEN = "cli-test-token-0123456789"
@@ -14,9 +15,22 @@ def _start(tmp_path, *extra, env=None):
     token = tmp_path / "token"
     write_token_file(token, TOKEN)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(token),
-         "--checkpoint-dir", str(tmp_path / "ck"), *extra],
-        stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "syncer",
+            "--port",
+            "0",
+            "--auth-token-file",
+            str(token),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     lines = []
     deadline = time.monotonic() + 60

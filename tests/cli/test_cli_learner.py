@@ -11,9 +11,27 @@ import urllib.request
 
 
 def learner(port, tmp_path, shard, steps=100, token=True, *extra):
-    args = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--shard", shard,
-            "--steps", str(steps), "--batch", "4", "--speed", "0.25", "--cache-dir", str(tmp_path / "jax"),
-            "--seed", shard[0], *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "learner",
+        "--syncer",
+        f"ws://127.0.0.1:{port}/ws",
+        "--shard",
+        shard,
+        "--steps",
+        str(steps),
+        "--batch",
+        "4",
+        "--speed",
+        "0.25",
+        "--cache-dir",
+        str(tmp_path / "jax"),
+        "--seed",
+        shard[0],
+        *extra,
+    ]
     if token:
         args += ["--token-file", str(tmp_path / "token")]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -49,9 +67,23 @@ def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
     try:
         (tmp_path / "bad").write_text("not-the-right-token-0123\n")
         bad = subprocess.run(
-            [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--token-file",
-             str(tmp_path / "bad"), "--steps", "5", "--cache-dir", str(tmp_path / "jax")],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "learner",
+                "--syncer",
+                f"ws://127.0.0.1:{port}/ws",
+                "--token-file",
+                str(tmp_path / "bad"),
+                "--steps",
+                "5",
+                "--cache-dir",
+                str(tmp_path / "jax"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert bad.returncode == 1 and "refused the token" in bad.stderr
     finally:
@@ -61,17 +93,32 @@ def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
 
 def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(tmp_path, start_syncer, self_signed_cert):
     cert, key = self_signed_cert
-    syncer, port, log = start_syncer(tmp_path, "--fragments", "2", "--period", "2", "--tls-cert", str(cert), "--tls-key", str(key))
+    syncer, port, log = start_syncer(
+        tmp_path, "--fragments", "2", "--period", "2", "--tls-cert", str(cert), "--tls-key", str(key)
+    )
     drain(syncer, log)
     url = f"wss://127.0.0.1:{port}/ws"
-    common = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", url, "--token-file", str(tmp_path / "token"),
-              "--batch", "4", "--cache-dir", str(tmp_path / "jax")]
+    common = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "learner",
+        "--syncer",
+        url,
+        "--token-file",
+        str(tmp_path / "token"),
+        "--batch",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "jax"),
+    ]
     try:
         refused = subprocess.run([*common, "--steps", "5"], capture_output=True, text=True, timeout=300, check=False)
         assert refused.returncode == 1 and "Traceback" not in refused.stderr
         assert f"the certificate of the syncer at {url} is not trusted by the system's CAs" in refused.stderr
-        trained = subprocess.run([*common, "--steps", "30", "--tls-ca", str(cert)], capture_output=True, text=True,
-                                 timeout=300, check=False)
+        trained = subprocess.run(
+            [*common, "--steps", "30", "--tls-ca", str(cert)], capture_output=True, text=True, timeout=300, check=False
+        )
         assert trained.returncode == 0, trained.stderr[-2000:]
         summary = json.loads(trained.stdout.strip().splitlines()[-1])
         assert summary["last_step"] >= 30 and summary["applied"] > 0 and math.isfinite(summary["loss"])
@@ -88,18 +135,36 @@ def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_
     drain(syncer, log)
     try:
         refused = subprocess.run(
-            [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws", "--token-file",
-             str(tmp_path / "token"), "--name", "small", "--steps", "5", "--cache-dir", str(tmp_path / "jax")],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "learner",
+                "--syncer",
+                f"ws://127.0.0.1:{port}/ws",
+                "--token-file",
+                str(tmp_path / "token"),
+                "--name",
+                "small",
+                "--steps",
+                "5",
+                "--cache-dir",
+                str(tmp_path / "jax"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         syncer.send_signal(signal.SIGTERM)
         assert syncer.wait(60) == 0
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     said = [line for line in refused.stderr.splitlines() if line.startswith("ddiloco learner:")]
-    assert said == [f"ddiloco learner: the syncer at ws://127.0.0.1:{port}/ws refused this learner (bad_layout): "
-                    "the syncer splits the model into 16 fragments but it has 15 tensors: "
-                    "start the syncer with --fragments 15 or fewer"]
+    assert said == [
+        f"ddiloco learner: the syncer at ws://127.0.0.1:{port}/ws refused this learner (bad_layout): "
+        "the syncer splits the model into 16 fragments but it has 15 tensors: "
+        "start the syncer with --fragments 15 or fewer"
+    ]
     (warned,) = [line for line in log if "WARNING" in line and "refused learner" in line]
     assert "'small'" in warned and "15 tensors" in warned and "--fragments 15 or fewer" in warned, log
 

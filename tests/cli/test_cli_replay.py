@@ -51,9 +51,11 @@ def test_a_demo_recording_without_payloads_is_one_line_pointing_to_full(tmp_path
     assert main(["replay", str(rec)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing replayed
-    assert captured.err == (f"ddiloco replay: error: {rec} is a recorded demo: its syncer tapes keep no payloads "
-                            f"(the learners' tapes make them again), so replay it whole with "
-                            f"`ddiloco replay {rec} --full`\n")
+    assert captured.err == (
+        f"ddiloco replay: error: {rec} is a recorded demo: its syncer tapes keep no payloads "
+        f"(the learners' tapes make them again), so replay it whole with "
+        f"`ddiloco replay {rec} --full`\n"
+    )
 
 
 def test_a_directory_without_any_syncer_tape_is_one_line(tmp_path, capsys):
@@ -62,5 +64,7 @@ def test_a_directory_without_any_syncer_tape_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no syncer tape (tape.ddtp, itself or in a subfolder)" in err
     assert main(["replay", str(tmp_path / "missing")]) == 2
-    assert capsys.readouterr().err == f"ddiloco replay: error: {tmp_path / 'missing'} is not a directory: " \
-                                      "a tape is the directory `--record DIR` wrote\n"
+    assert (
+        capsys.readouterr().err == f"ddiloco replay: error: {tmp_path / 'missing'} is not a directory: "
+        "a tape is the directory `--record DIR` wrote\n"
+    )

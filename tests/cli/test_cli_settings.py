@@ -5,6 +5,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+
 from ddiloco.cli import syncer
 from ddiloco.cli.settings import Setting, SettingsError, add_flags, resolve
 from ddiloco.core.config import SyncerConfig, from_mapping
@@ -29,9 +30,20 @@ def test_flags_beat_variables_beat_the_file_beat_the_defaults(tmp_path):
     text = 'port = 1\nrate = 2\nmode = "a"\ntoken_file = "tok"\n'
     env = {"DDILOCO_PORT": "3", "DDILOCO_RATE": "4.5", "OTHER": "ignored"}
     got = resolve(TABLE, _parse("--port", "5"), env, text, tmp_path / "conf.toml")
-    assert got.values == {"config": None, "port": 5, "rate": 4.5, "mode": "a", "token_file": tmp_path / "tok", "loud": False}
-    assert got.sources == {"port": "flag --port", "rate": "env DDILOCO_RATE", "mode": f"file {tmp_path / 'conf.toml'}",
-                           "token_file": f"file {tmp_path / 'conf.toml'}"}
+    assert got.values == {
+        "config": None,
+        "port": 5,
+        "rate": 4.5,
+        "mode": "a",
+        "token_file": tmp_path / "tok",
+        "loud": False,
+    }
+    assert got.sources == {
+        "port": "flag --port",
+        "rate": "env DDILOCO_RATE",
+        "mode": f"file {tmp_path / 'conf.toml'}",
+        "token_file": f"file {tmp_path / 'conf.toml'}",
+    }
     assert resolve(TABLE, _parse(), {}).values["port"] == 8470
     assert resolve(TABLE, _parse(), {}).sources == {}
 
@@ -92,16 +104,24 @@ def test_every_core_setting_reaches_the_core_config_field_its_help_names():
         default = defaults[table][name] if table else defaults[name]
         help_text = next(s.help for s in syncer.SETTINGS if s.key == key)
         if "(default" in help_text:  # the help states the core's default: it must be the core's
-            assert f"(default {default:g}" in help_text if not isinstance(default, str) else f"(default {default})" in help_text
+            assert (
+                f"(default {default:g}" in help_text
+                if not isinstance(default, str)
+                else f"(default {default})" in help_text
+            )
         changed = from_mapping(syncer._nested({key: default}))
         assert changed == SyncerConfig()
 
 
 def test_a_core_value_the_core_refuses_names_the_setting_and_its_source():
     resolved = resolve(syncer.SETTINGS, argparse.Namespace(), {"DDILOCO_QUORUM": "3", "DDILOCO_LEARNERS_MAX": "2"})
-    with pytest.raises(SettingsError, match=r"quorum must be .*\(quorum from env DDILOCO_QUORUM, learners_max from env"):
+    with pytest.raises(
+        SettingsError, match=r"quorum must be .*\(quorum from env DDILOCO_QUORUM, learners_max from env"
+    ):
         syncer.core_config(resolved)
     resolved = resolve(syncer.SETTINGS, argparse.Namespace(), {"DDILOCO_GRACE_GAMMA": "1.5"})
     with pytest.raises(SettingsError, match=r"\(grace_gamma from env DDILOCO_GRACE_GAMMA\)"):
         syncer.core_config(resolved)
-    assert dataclasses.asdict(syncer.core_config(resolve(syncer.SETTINGS, argparse.Namespace(), {}))) == dataclasses.asdict(SyncerConfig())
+    assert dataclasses.asdict(
+        syncer.core_config(resolve(syncer.SETTINGS, argparse.Namespace(), {}))
+    ) == dataclasses.asdict(SyncerConfig())

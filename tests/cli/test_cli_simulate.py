@@ -17,8 +17,23 @@ def _run(*argv):
 
 def test_single_cell_json(tmp_path, capsys):
     out = tmp_path / "cell.json"
-    assert _run("--chips", "3e5", "--system", "decoupled", "--learners", "4", "--days", "1", "--seeds", "2",
-                "--json", str(out)) == 0
+    assert (
+        _run(
+            "--chips",
+            "3e5",
+            "--system",
+            "decoupled",
+            "--learners",
+            "4",
+            "--days",
+            "1",
+            "--seeds",
+            "2",
+            "--json",
+            str(out),
+        )
+        == 0
+    )
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("config: system=decoupled M=4 chips=300000")
     [cell] = json.loads(out.read_text())
@@ -36,7 +51,13 @@ def test_paper_table_json_and_plot(tmp_path, capsys):
     cells = json.loads(out.read_text())
     assert len(cells) == 30
     assert {(c["system"], c["learners"]) for c in cells} == {
-        ("dp", 1), ("elastic-dp", 1), ("decoupled", 2), ("decoupled", 4), ("decoupled", 8), ("decoupled", 16)}
+        ("dp", 1),
+        ("elastic-dp", 1),
+        ("decoupled", 2),
+        ("decoupled", 4),
+        ("decoupled", 8),
+        ("decoupled", 16),
+    }
     assert all(0 <= c["goodput"] <= 1 and 0 <= c["paper"] <= 1 for c in cells)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,8 @@ ESCAPING = "evil\x1b[2J\rname"  # an escape sequence that would clear the operat
 
 async def ddiloco(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ddiloco.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable, "-m", "ddiloco.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await proc.communicate()
     return proc.returncode, out.decode(), err.decode()
 

@@ -20,7 +20,9 @@ def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert json.loads(r.read())["status"] == "ok"
         status = subprocess.run(
-            [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}", "--json"], capture_output=True, text=True,
+            [sys.executable, "-m", "ddiloco.cli", "status", f"http://127.0.0.1:{port}", "--json"],
+            capture_output=True,
+            text=True,
             timeout=60,
         )
         assert status.returncode == 0 and json.loads(status.stdout)["config"]["quorum"] == 2
@@ -42,7 +44,9 @@ def test_syncer_process_serves_and_stops_on_sigterm(tmp_path, start_syncer):
     ],
 )
 def test_bad_flags_get_one_clear_line(tmp_path, args, message):
-    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "syncer", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
 
@@ -53,7 +57,9 @@ def _env(**variables):
     return {**env, **variables}
 
 
-def test_flags_win_over_environment_over_file_and_the_first_line_says_where_each_value_came_from(tmp_path, start_syncer):
+def test_flags_win_over_environment_over_file_and_the_first_line_says_where_each_value_came_from(
+    tmp_path, start_syncer
+):
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "syncer.toml").write_text('quorum = 3\nfragments = 5\nperiod = 6\nsnapshot_dir = "snaps"\noverlap = 3\n')
@@ -66,9 +72,15 @@ def test_flags_win_over_environment_over_file_and_the_first_line_says_where_each
         assert first["snapshot_dir"] == str(conf / "snaps")  # relative to the file, not the working directory
         file = f"file {conf / 'syncer.toml'}"
         assert first["sources"] == {
-            "config": "env DDILOCO_CONFIG", "quorum": file, "snapshot_dir": file, "overlap": file,
-            "fragments": "env DDILOCO_FRAGMENTS", "period": "flag --period",
-            "port": "flag --port", "auth_token_file": "flag --auth-token-file", "checkpoint_dir": "flag --checkpoint-dir",
+            "config": "env DDILOCO_CONFIG",
+            "quorum": file,
+            "snapshot_dir": file,
+            "overlap": file,
+            "fragments": "env DDILOCO_FRAGMENTS",
+            "period": "flag --period",
+            "port": "flag --port",
+            "auth_token_file": "flag --auth-token-file",
+            "checkpoint_dir": "flag --checkpoint-dir",
         }
         with urllib.request.urlopen(f"http://127.0.0.1:{_port(lines)}/status", timeout=5) as r:
             config = json.loads(r.read())["config"]
@@ -101,8 +113,14 @@ def _refusal(tmp_path, args, env=None, toml=None):
     if toml is not None:
         (tmp_path / "syncer.toml").write_text(toml)
         args = ["--config", "syncer.toml", *args]
-    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", *args], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path, env=_env(**(env or {})))
+    out = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "syncer", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=_env(**(env or {})),
+    )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     return out.stderr
@@ -122,7 +140,11 @@ def _refusal(tmp_path, args, env=None, toml=None):
         ("quorum = \n", {}, "syncer.toml is not valid TOML"),
         (None, {"DDILOCO_QUORUM": "two"}, "quorum from env DDILOCO_QUORUM: expected an integer, got 'two'"),
         (None, {"DDILOCO_QOURUM": "2"}, "unknown environment variable DDILOCO_QOURUM"),
-        (None, {"DDILOCO_INSECURE_NO_AUTH": "maybe"}, "insecure_no_auth from env DDILOCO_INSECURE_NO_AUTH: expected one of"),
+        (
+            None,
+            {"DDILOCO_INSECURE_NO_AUTH": "maybe"},
+            "insecure_no_auth from env DDILOCO_INSECURE_NO_AUTH: expected one of",
+        ),
         (None, {"DDILOCO_CONFIG": "missing.toml"}, "cannot read config file missing.toml"),
     ],
 )
@@ -156,7 +178,9 @@ def test_the_readme_token_command_makes_a_token_the_syncer_accepts(tmp_path):
     block = readme.split("## The syncer daemon", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     making = [line for line in block.splitlines() if "token" in line and not line.startswith("ddiloco ")]
     assert any("secrets.token_hex(16)" in line for line in making) and any("chmod 600 token" in line for line in making)
-    subprocess.run(["bash", "-euc", "\n".join(making).replace("python ", f"{sys.executable} ")], cwd=tmp_path, check=True)
+    subprocess.run(
+        ["bash", "-euc", "\n".join(making).replace("python ", f"{sys.executable} ")], cwd=tmp_path, check=True
+    )
     from ddiloco.net.auth import read_token_file
 
     assert len(read_token_file(tmp_path / "token")) == 32
@@ -164,21 +188,28 @@ def test_the_readme_token_command_makes_a_token_the_syncer_accepts(tmp_path):
 
 def _another_runs_checkpoint(directory):
     import numpy as np
+
     from ddiloco.core import syncer
     from ddiloco.core.config import SyncerConfig
     from ddiloco.core.layout import TensorSpec, build_layout
     from ddiloco.net import store
 
     layout = build_layout([TensorSpec("w", (4, 8)), TensorSpec("b", (8,))], 2)
-    state = syncer.new_state(SyncerConfig(num_fragments=2), layout, [np.ones(f.padded_size, np.float32) for f in layout.fragments])
+    state = syncer.new_state(
+        SyncerConfig(num_fragments=2), layout, [np.ones(f.padded_size, np.float32) for f in layout.fragments]
+    )
     state.merges = 500
     return store.CheckpointStore.open(directory, new_id=lambda: "aaaaaaaaaaaaaaaa").write(state).path
 
 
 def test_a_fresh_run_refuses_another_runs_checkpoint_dir_unless_told(tmp_path, start_syncer):
     old = _another_runs_checkpoint(tmp_path / "ck")
-    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--checkpoint-dir", str(tmp_path / "ck")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--checkpoint-dir", str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "holds checkpoints of another run: run aaaaaaaaaaaaaaaa" in out.stderr and "--overwrite" in out.stderr
     proc, _, lines = start_syncer(tmp_path, "--overwrite")
@@ -207,12 +238,22 @@ def test_tls_syncer_serves_https_and_status_needs_the_ca(tmp_path, start_syncer,
         assert "(TLS: https, wss)" in lines[-1]
         assert json.loads(lines[0].split("config ", 1)[1])["sources"]["tls_cert"] == "flag --tls-cert"
         url = f"https://127.0.0.1:{port}"
-        status = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", url, "--json", "--tls-ca", str(cert)],
-                                capture_output=True, text=True, timeout=60, check=False)
+        status = subprocess.run(
+            [sys.executable, "-m", "ddiloco.cli", "status", url, "--json", "--tls-ca", str(cert)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["merges"] == 0
-        untrusted = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", url], capture_output=True, text=True,
-                                   timeout=60, check=False)
+        untrusted = subprocess.run(
+            [sys.executable, "-m", "ddiloco.cli", "status", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert untrusted.returncode == 1 and "Traceback" not in untrusted.stderr
         assert f"the certificate of {url} is not trusted by the system's CAs (give --tls-ca FILE)" in untrusted.stderr
     finally:

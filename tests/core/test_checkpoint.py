@@ -5,6 +5,7 @@ import orjson
 import pytest
 import safetensors
 import safetensors.numpy
+
 from ddiloco.core import checkpoint, syncer
 from ddiloco.core.checkpoint import CheckpointError
 from ddiloco.core.config import SyncerConfig
@@ -13,7 +14,9 @@ from ddiloco.core.layout import TensorSpec, build_layout
 
 def some_state(seed=0):
     cfg = SyncerConfig(num_fragments=3, period=3, quorum=2)
-    tensors = [TensorSpec(f"blocks/{i}/w", (7, 19 + i)) for i in range(4)] + [TensorSpec("embed", (33, 5), embedding=True)]
+    tensors = [TensorSpec(f"blocks/{i}/w", (7, 19 + i)) for i in range(4)] + [
+        TensorSpec("embed", (33, 5), embedding=True)
+    ]
     layout = build_layout(tensors, 3)
     rng = np.random.default_rng(seed)
     params = [rng.standard_normal(f.padded_size).astype(np.float32) for f in layout.fragments]

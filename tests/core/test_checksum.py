@@ -2,6 +2,7 @@ import zlib
 
 import numpy as np
 import pytest
+
 from ddiloco.core import checksum
 
 

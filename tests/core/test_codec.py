@@ -3,7 +3,8 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddiloco.core import codec
 from ddiloco.core.codec import Codec, CodecError

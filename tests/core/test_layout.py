@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddiloco.core.layout import (
     LayoutError,
@@ -211,8 +212,12 @@ def test_numbered_components_are_ascii_digits_only():
 
 @pytest.mark.parametrize(
     "shape, message",
-    [((0, 2**40), "dimensions or one above"), ((1,) * 33, "dimensions or one above"), ((True, 2), "non-negative"),
-     (5, "sequence of integers")],
+    [
+        ((0, 2**40), "dimensions or one above"),
+        ((1,) * 33, "dimensions or one above"),
+        ((True, 2), "non-negative"),
+        (5, "sequence of integers"),
+    ],
 )
 def test_shapes_beyond_what_a_fragment_holds_are_refused(shape, message):
     with pytest.raises(LayoutError, match=message):

@@ -1,4 +1,5 @@
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddiloco.core.ledger import Ledger
 
@@ -50,8 +51,13 @@ def test_gone_learner_keeps_the_window_of_a_push_awaiting_its_round():
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["report", "reset", "fate", "gone", "gone_awaiting", "settle"]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 1000),
-              st.sampled_from(["merged", "late", "stale", "rejected"])),
+    st.tuples(
+        st.sampled_from(["report", "reset", "fate", "gone", "gone_awaiting", "settle"]),
+        st.integers(1, 3),
+        st.integers(0, 2),
+        st.integers(0, 1000),
+        st.sampled_from(["merged", "late", "stale", "rejected"]),
+    ),
     max_size=60,
 )
 

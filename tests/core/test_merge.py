@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddiloco.core import codec
 from ddiloco.core.layout import TensorSpec, build_layout
@@ -71,7 +72,9 @@ def test_rda_matches_formula_and_is_permutation_invariant(seed, m, data):
 def test_mean_and_zero_weight_learners_ignored():
     frag = one_fragment([256])
     a, b = (np.full(256, x, dtype=np.float32) for x in (1.0, 3.0))
-    got, info = merge([contrib(1, 1.0, a), contrib(2, 3.0, b), contrib(3, 0.0, np.full(256, 1e6, dtype=np.float32))], frag, "mean")
+    got, info = merge(
+        [contrib(1, 1.0, a), contrib(2, 3.0, b), contrib(3, 0.0, np.full(256, 1e6, dtype=np.float32))], frag, "mean"
+    )
     np.testing.assert_allclose(got, 0.25 * 1 + 0.75 * 3)
     assert info.learners == (1, 2)
 
@@ -127,7 +130,10 @@ def test_rda_falls_back_on_several_tensors_with_the_weighted_mean_of_each():
 def test_int4_contributions_merge_like_their_decoded_values():
     rng = np.random.default_rng(2)
     frag = one_fragment([500, 12])
-    vecs = [padded(frag, rng.standard_normal(500).astype(np.float32), rng.standard_normal(12).astype(np.float32)) for _ in range(3)]
+    vecs = [
+        padded(frag, rng.standard_normal(500).astype(np.float32), rng.standard_normal(12).astype(np.float32))
+        for _ in range(3)
+    ]
     cs = [contrib(i, 1.0 + i, v, "int4") for i, v in enumerate(vecs)]
     decoded = [c.payload.decode() for c in cs]
     got, _ = merge(cs, frag, "rda")
@@ -145,7 +151,9 @@ def test_bad_merges():
 
 
 @pytest.mark.parametrize("method", ["mean", "rda"])
-@pytest.mark.parametrize("codecs", [("int4",) * 4, ("fp32",) * 3, ("bf16", "bf16"), ("int4", "fp32", "int4"), ("int2",) * 2])
+@pytest.mark.parametrize(
+    "codecs", [("int4",) * 4, ("fp32",) * 3, ("bf16", "bf16"), ("int4", "fp32", "int4"), ("int2",) * 2]
+)
 def test_the_fused_round_steps_like_the_merged_values_bit_for_bit(method, codecs):
     # what the syncer does (merge_round, then outer.update fusing the rest of the merge into the step)
     # against the plain path (merge's values, then the step): the same bits, on a fragment large enough

@@ -9,8 +9,25 @@ import pytest
 
 CORE = Path(__file__).resolve().parents[2] / "core"
 MODULES_FORBIDDEN = {"os", "shutil", "tempfile", "io", "glob", "mmap", "fcntl"}
-PATH_CALLS_FORBIDDEN = {"read_bytes", "write_bytes", "read_text", "write_text", "unlink", "mkdir", "rmdir", "iterdir",
-                        "rglob", "touch", "symlink_to", "hardlink_to", "chmod", "stat", "exists", "is_dir", "is_file"}
+PATH_CALLS_FORBIDDEN = {
+    "read_bytes",
+    "write_bytes",
+    "read_text",
+    "write_text",
+    "unlink",
+    "mkdir",
+    "rmdir",
+    "iterdir",
+    "rglob",
+    "touch",
+    "symlink_to",
+    "hardlink_to",
+    "chmod",
+    "stat",
+    "exists",
+    "is_dir",
+    "is_file",
+}
 
 
 def file_io_in(path: Path) -> list[str]:

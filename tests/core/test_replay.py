@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+
 from ddiloco.core import codec, replay, syncer
 from ddiloco.core import tape as tapes
 from ddiloco.core.config import SyncerConfig
@@ -88,7 +89,9 @@ class ScriptedRun:
                 if e.needs_init:
                     for f in self.state.layout.fragments:
                         vec = sender.rng.standard_normal(f.padded_size).astype(np.float32)
-                        self.send(InitFragment(e.learner, f.index, codec.parse(codec.encode(vec, "fp32"))), sender=sender)
+                        self.send(
+                            InitFragment(e.learner, f.index, codec.parse(codec.encode(vec, "fp32"))), sender=sender
+                        )
                     sender.versions = [0, 0]
             elif isinstance(e, SendUpdate):
                 for m in e.learners:
@@ -170,7 +173,9 @@ def test_golden_tape_replays_to_its_known_state_hash(tmp_path):
     if REWRITE:
         shutil.rmtree(directory, ignore_errors=True)
         final, merges = scripted_run(directory)
-        (directory / "expected.json").write_bytes(orjson.dumps({"state_hash": final, "merges": merges}, option=orjson.OPT_INDENT_2))
+        (directory / "expected.json").write_bytes(
+            orjson.dumps({"state_hash": final, "merges": merges}, option=orjson.OPT_INDENT_2)
+        )
     result = replay.replay(recording.read(directory))
     assert result.ok, result.divergence
     assert result.final_checked

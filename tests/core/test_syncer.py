@@ -54,7 +54,9 @@ class Harness:
         return effects
 
     def join(self, name, conn):
-        (welcome,) = [e for e in self.send(Join(conn, name, TENSORS, syncer.PROTOCOL_VERSION)) if isinstance(e, SendWelcome)]
+        (welcome,) = [
+            e for e in self.send(Join(conn, name, TENSORS, syncer.PROTOCOL_VERSION)) if isinstance(e, SendWelcome)
+        ]
         return welcome
 
     def init_from(self, learner, seed=0):
@@ -334,15 +336,18 @@ def test_layout_mismatch_and_protocol_refused():
     assert h.of(SendError, eff)[0].code == "protocol_version"
 
 
-@pytest.mark.parametrize("strategy, parts, unit",
-                         [("balanced", 4, "tensors"), ("tensor", 4, "tensors"), ("layer", 4, "layers")])
+@pytest.mark.parametrize(
+    "strategy, parts, unit", [("balanced", 4, "tensors"), ("tensor", 4, "tensors"), ("layer", 4, "layers")]
+)
 def test_more_fragments_than_the_model_has_is_refused_naming_the_setting(strategy, parts, unit):
     h = Harness(num_fragments=6, period=6, strategy=strategy)
     eff = h.send(Join(10, "small", TENSORS, syncer.PROTOCOL_VERSION))
     (err,) = h.of(SendError, eff)
     assert err.code == "bad_layout" and err.fatal and err.conn == 10
-    assert err.text == (f"the syncer splits the model into 6 fragments but it has {parts} {unit}: "
-                        f"start the syncer with --fragments {parts} or fewer")
+    assert err.text == (
+        f"the syncer splits the model into 6 fragments but it has {parts} {unit}: "
+        f"start the syncer with --fragments {parts} or fewer"
+    )
     (warning,) = [e for e in h.of(Log, eff) if e.level == "warning"]  # the syncer's log says it too
     assert "'small'" in warning.text and "4 tensors" in warning.text and err.text in warning.text
     assert h.of(Drop, eff) and not h.of(SendWelcome, eff) and h.state.layout is None and not h.state.learners
@@ -405,7 +410,11 @@ def test_push_of_a_learner_gone_before_its_round_closed_is_booked_with_the_merge
     two_live(h)
     measure_timing(h)
     fragment, rnd = open_round(h, 4)
-    h.send(Progress(learner=1, step=4, versions=tuple(f.version for f in h.state.fragments), steps=(1, 1), tokens=(700, 700)))
+    h.send(
+        Progress(
+            learner=1, step=4, versions=tuple(f.version for f in h.state.fragments), steps=(1, 1), tokens=(700, 700)
+        )
+    )
     (timer,) = h.of(ArmTimer, h.push(1, fragment, rnd, tokens=500))
     ledger = h.state.ledger
     lost, merged_tokens = ledger.totals["lost"], ledger.totals["merged"]

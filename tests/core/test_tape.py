@@ -4,6 +4,7 @@ import hashlib
 
 import numpy as np
 import pytest
+
 from ddiloco.core import codec, syncer
 from ddiloco.core import tape as tapes
 from ddiloco.core.config import SyncerConfig
@@ -70,7 +71,9 @@ def test_a_tape_read_without_its_store_says_so():
     tape = tapes.tape_of("memory", parsed, good, torn)
     with pytest.raises(tapes.TapeError, match="not at hand"):
         tapes.decode_event(tape, tape.events[1])
-    regenerated = tapes.Tape(tape.directory, tape.header, tape.records, tape.close, None, good, payloads=dict(store.bodies))
+    regenerated = tapes.Tape(
+        tape.directory, tape.header, tape.records, tape.close, None, good, payloads=dict(store.bodies)
+    )
     assert tapes.decode_event(regenerated, regenerated.events[1])[0].payload.elements == 128
 
 
@@ -80,7 +83,12 @@ def test_only_merges_make_check_records_and_they_hash_the_new_values():
     state = syncer.new_state(SyncerConfig(num_fragments=2, period=2), layout, params)
     effects = [Log("info", "merged"), Merged(1, 3, (1,), (1.0,), 0.0, 0.1)]
     (record,) = tapes.check_records(7, state, effects)
-    assert record == {"type": "check", "i": 7, "fragment": 1, "version": state.fragments[1].version,
-                      "sha256": hashlib.sha256(state.fragments[1].theta.tobytes()).hexdigest()}
+    assert record == {
+        "type": "check",
+        "i": 7,
+        "fragment": 1,
+        "version": state.fragments[1].version,
+        "sha256": hashlib.sha256(state.fragments[1].theta.tobytes()).hexdigest(),
+    }
     with pytest.raises(tapes.TapeError, match="non-finite"):
         tapes.encode_value(float("nan"), MemoryStore())

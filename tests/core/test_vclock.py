@@ -1,6 +1,7 @@
 """Vector clocks: tick, merge, the order they define, the compact form and the limits."""
 
 import pytest
+
 from ddiloco.core import vclock
 from ddiloco.core.vclock import Order, VClock, VClockError
 

@@ -5,20 +5,33 @@ import json
 import math
 
 import pytest
+
 from ddiloco.cli import main as cli_main
-from ddiloco.net import snapshot as snapshots
 from ddiloco.demo.chaos_monkey import chaos_plan
 from ddiloco.demo.config import DemoConfig
 from ddiloco.demo.plot import write_plot
 from ddiloco.demo.report import report_json, report_text
 from ddiloco.demo.supervisor import run_demo
+from ddiloco.net import snapshot as snapshots
 
 
 def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_full(tmp_path):
     # Slowed down: at full speed these tiny learners would train their whole step cap while the
     # syncer restarts, and end before the learner's kill comes due.
-    cfg = DemoConfig(learners=2, steps=60, batch=4, kills=1, pauses=0, restart_delay_s=1.0, seed=1, speeds=(0.4, 0.4),
-                     kill_syncer=True, checkpoint_every_s=0.5, choice_items=32, record=tmp_path / "rec")
+    cfg = DemoConfig(
+        learners=2,
+        steps=60,
+        batch=4,
+        kills=1,
+        pauses=0,
+        restart_delay_s=1.0,
+        seed=1,
+        speeds=(0.4, 0.4),
+        kill_syncer=True,
+        checkpoint_every_s=0.5,
+        choice_items=32,
+        record=tmp_path / "rec",
+    )
     report = run_demo(cfg, tmp_path, out=open(tmp_path / "live.txt", "w"))
     assert report.kills == 1 and report.recoveries == 1  # the killed learner was started again
     assert report.syncer_kills == 1
@@ -36,8 +49,18 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     assert ledger["reported"] == sum(ledger[k] for k in ("merged", "late", "stale", "rejected", "lost", "open"))
     assert 0 < report.uptime <= 1 and 0 < report.goodput <= 1
     data = json.loads(json.dumps(report_json(report)))
-    for key in ("eval_loss", "baseline_eval_loss", "choice_accuracy", "baseline_choice_accuracy", "uptime",
-                "goodput", "kills", "recoveries", "merges", "ledger"):
+    for key in (
+        "eval_loss",
+        "baseline_eval_loss",
+        "choice_accuracy",
+        "baseline_choice_accuracy",
+        "uptime",
+        "goodput",
+        "kills",
+        "recoveries",
+        "merges",
+        "ledger",
+    ):
         assert key in data
     assert data["curves"]["baseline"] and all(e["tokens"] >= 0 for e in data["events"])
     text = report_text(report)
@@ -58,15 +81,34 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
 
 def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
     # Long enough for several snapshots while both learners train (they do ~25 steps/s here).
-    first = DemoConfig(learners=2, steps=160, batch=4, chaos=False, baseline=False, snapshot_every_s=0.5,
-                       checkpoint_every_s=0.5, choice_items=16)
+    first = DemoConfig(
+        learners=2,
+        steps=160,
+        batch=4,
+        chaos=False,
+        baseline=False,
+        snapshot_every_s=0.5,
+        checkpoint_every_s=0.5,
+        choice_items=16,
+    )
     run_demo(first, tmp_path / "first", out=open(tmp_path / "first.txt", "w"))
-    taken = sorted(p for p in (tmp_path / "first" / "snapshots").glob("snap-*")
-                   if len(snapshots.read(p)["learners"]) == 2 and snapshots.read(p)["global_step"] > 0)
+    taken = sorted(
+        p
+        for p in (tmp_path / "first" / "snapshots").glob("snap-*")
+        if len(snapshots.read(p)["learners"]) == 2 and snapshots.read(p)["global_step"] > 0
+    )
     assert taken, "a snapshot with both learners in it"
     manifest = snapshots.read(taken[0])
 
-    again = DemoConfig(learners=2, steps=manifest["global_step"] + 40, batch=4, chaos=False, baseline=False, restore=taken[0], choice_items=16)
+    again = DemoConfig(
+        learners=2,
+        steps=manifest["global_step"] + 40,
+        batch=4,
+        chaos=False,
+        baseline=False,
+        restore=taken[0],
+        choice_items=16,
+    )
     report = run_demo(again, tmp_path / "again", out=open(tmp_path / "again.txt", "w"))
 
     syncer_log = (tmp_path / "again" / "syncer.log").read_text()
@@ -87,10 +129,16 @@ def test_chaos_plan_is_seeded_by_step_and_the_syncer_kill_leaves_the_rest_alone(
     assert [p for p in with_syncer if p[1] != "kill-syncer"] == plan
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"speeds": (1.0,)}, "speeds"), ({"speeds": (1.0, 1.5)}, "speed"), ({"kills": -1}, "non-negative"),
-    ({"model": "big"}, "dense or moe"), ({"checkpoint_every_s": 0}, "checkpoint"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"speeds": (1.0,)}, "speeds"),
+        ({"speeds": (1.0, 1.5)}, "speed"),
+        ({"kills": -1}, "non-negative"),
+        ({"model": "big"}, "dense or moe"),
+        ({"checkpoint_every_s": 0}, "checkpoint"),
+    ],
+)
 def test_bad_demo_configs(bad, match):
     with pytest.raises(ValueError, match=match):
         DemoConfig(learners=2, **bad)
@@ -103,14 +151,20 @@ def test_live_views_show_learner_state_step_tokens_loss_and_versions(tmp_path):
     from ddiloco.demo.supervisor import LearnerProcess, LossLog, SyncerProcess
 
     log = tmp_path / "learner0.jsonl"
-    log.write_text('{"step": 5, "loss": 3.25}\n{"step": 10, "loss": 2.5}\n{"step": 1')  # the last line still being written
+    log.write_text(
+        '{"step": 5, "loss": 3.25}\n{"step": 10, "loss": 2.5}\n{"step": 1'
+    )  # the last line still being written
     logs = [LossLog(log), LossLog(tmp_path / "missing.jsonl")]
     for entry in logs:
         entry.read()
     assert logs[0].points == [(5, 3.25), (10, 2.5)] and logs[1].points == []
-    status = {"global_step": 10, "merges": 3, "fragments": [{"version": 2}, {"version": 1}],
-              "learners": [{"id": 1, "name": "learner-0", "status": "live", "step": 10, "versions": [2, 1]}],
-              "decisions": [{"reason": "merged 1/2 (quorum 1) after 0 ms of grace"}]}
+    status = {
+        "global_step": 10,
+        "merges": 3,
+        "fragments": [{"version": 2}, {"version": 1}],
+        "learners": [{"id": 1, "name": "learner-0", "status": "live", "step": 10, "versions": [2, 1]}],
+        "decisions": [{"reason": "merged 1/2 (quorum 1) after 0 ms of grace"}],
+    }
     learners, cfg = [LearnerProcess(0), LearnerProcess(1, killed_at=1.0)], DemoConfig(learners=2)
     syncer = SyncerProcess(proc=None, log=tmp_path / "syncer.log")
     assert isinstance(make_view(io.StringIO()), PlainView)  # not a terminal: plain lines
@@ -137,17 +191,27 @@ def test_restart_timeline_reads_each_step_from_the_restarted_syncers_log():
         stamp = datetime.fromtimestamp(wall_started + second).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
         return f"{stamp} INFO ddiloco.syncer: {text}"
 
-    log = "\n".join([
-        line(10.5, 'config {"port": 1}'), line(10.6, "resumed from ckpt-x: 8 merges, global step 22"),
-        line(11.0, "syncer listening on 127.0.0.1:1"), line(11.2, "learner 5 (learner-2) joined as recovering"),
-        line(11.9, "kernels warmed up in 0.90 s"), line(12.0, "learner 6 (learner-3) joined as recovering"),
-        "a line without a stamp: merged nothing",
-        line(12.25, "fragment 3 round 4: merged 1/1 (quorum 1) after 0 ms of grace"),
-        line(13.0, "fragment 0 round 4: merged 2/2 (quorum 1) after 0 ms of grace"),
-    ])
+    log = "\n".join(
+        [
+            line(10.5, 'config {"port": 1}'),
+            line(10.6, "resumed from ckpt-x: 8 merges, global step 22"),
+            line(11.0, "syncer listening on 127.0.0.1:1"),
+            line(11.2, "learner 5 (learner-2) joined as recovering"),
+            line(11.9, "kernels warmed up in 0.90 s"),
+            line(12.0, "learner 6 (learner-3) joined as recovering"),
+            "a line without a stamp: merged nothing",
+            line(12.25, "fragment 3 round 4: merged 1/1 (quorum 1) after 0 ms of grace"),
+            line(13.0, "fragment 0 round 4: merged 2/2 (quorum 1) after 0 ms of grace"),
+        ]
+    )
     t = restart_timeline(log, wall_started, killed_at=10.0, restarted_at=10.1)
     assert (t["up_at"], t["listening_at"], t["warmed_up_at"], t["first_join_at"], t["first_merge_at"]) == (
-        10.5, 11.0, 11.9, 11.2, 12.25)
+        10.5,
+        11.0,
+        11.9,
+        11.2,
+        12.25,
+    )
     assert t["restart_delay_s"] == 0.1 and t["start_and_imports_s"] == 0.4 and t["resume_and_listen_s"] == 0.5
     assert t["warmup_s"] == 0.9 and t["rejoin_s"] == 0.2 and t["first_round_s"] == 1.05 and t["outage_s"] == 2.25
     assert restart_timeline("", wall_started, 10.0, 10.1)["outage_s"] is None  # a syncer that never came back

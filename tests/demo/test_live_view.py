@@ -42,14 +42,21 @@ def test_a_learner_compiling_its_step_shows_compiling_then_joining_then_the_sync
     logs = [
         _log(tmp_path, "0.jsonl", '{"phase": "compiling"}\n'),
         _log(tmp_path, "1.jsonl", '{"phase": "compiling"}\n{"phase": "compiled", "seconds": 21.5}\n'),
-        _log(tmp_path, "2.jsonl", '{"phase": "compiling"}\n{"phase": "compiled", "seconds": 21.5}\n'
-                                  '{"step": 5, "loss": 3.25}\n'),
+        _log(
+            tmp_path,
+            "2.jsonl",
+            '{"phase": "compiling"}\n{"phase": "compiled", "seconds": 21.5}\n{"step": 5, "loss": 3.25}\n',
+        ),
     ]
     assert [log.phase for log in logs] == ["compiling", "compiled", "training"] and logs[2].points == [(5, 3.25)]
     assert not any(log.torn for log in logs)  # phase lines are not torn step lines
-    status = {"global_step": 5, "merges": 1, "fragments": [{"version": 1}],
-              "learners": [{"id": 1, "name": "learner-2", "status": "live", "step": 5, "versions": [1]}],
-              "decisions": [{"reason": REASON}]}
+    status = {
+        "global_step": 5,
+        "merges": 1,
+        "fragments": [{"version": 1}],
+        "learners": [{"id": 1, "name": "learner-2", "status": "live", "step": 5, "versions": [1]}],
+        "decisions": [{"reason": REASON}],
+    }
     rows = learner_rows(status, learners, logs, cfg)
     assert [r["state"] for r in rows] == ["compiling", "joining", "live"]
 

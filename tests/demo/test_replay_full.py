@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import pytest
+
 from ddiloco.core import tape as tapes
 from ddiloco.demo import replay as full
 from ddiloco.learner import tape as ltapes
@@ -41,11 +42,37 @@ def _syncer(tmp_path, rec):
     log = tmp_path / "syncer.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(tmp_path / "token"),
-             "--checkpoint-dir", str(tmp_path / "ck"), "--fragments", "2", "--period", "4", "--overlap", "2",
-             "--quorum", "1", "--outer-lr", "1.0", "--outer-momentum", "0.0", "--grace-max-ms", "200",
-             "--record", str(rec / "syncer"), "--record-no-payloads"],
-            stdout=fh, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "syncer",
+                "--port",
+                "0",
+                "--auth-token-file",
+                str(tmp_path / "token"),
+                "--checkpoint-dir",
+                str(tmp_path / "ck"),
+                "--fragments",
+                "2",
+                "--period",
+                "4",
+                "--overlap",
+                "2",
+                "--quorum",
+                "1",
+                "--outer-lr",
+                "1.0",
+                "--outer-momentum",
+                "0.0",
+                "--grace-max-ms",
+                "200",
+                "--record",
+                str(rec / "syncer"),
+                "--record-no-payloads",
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
         )
     found = _wait("listening syncer", lambda: re.search(r"listening on 127\.0\.0\.1:(\d+)", log.read_text()))
     return proc, int(found.group(1))
@@ -54,18 +81,43 @@ def _syncer(tmp_path, rec):
 def _learner(tmp_path, rec, port, name, shard, seed, steps, speed=1.0):
     log = open(tmp_path / f"{name}.log", "a")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"ws://127.0.0.1:{port}/ws",
-         "--token-file", str(tmp_path / "token"), "--shard", shard, "--name", name.split(".")[0], "--steps", str(steps),
-         "--batch", "2", "--seed", str(seed), "--speed", str(speed), "--cache-dir", str(tmp_path / "jax-cache"),
-         "--record", str(rec / "learners" / name)],
-        stdout=subprocess.DEVNULL, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "learner",
+            "--syncer",
+            f"ws://127.0.0.1:{port}/ws",
+            "--token-file",
+            str(tmp_path / "token"),
+            "--shard",
+            shard,
+            "--name",
+            name.split(".")[0],
+            "--steps",
+            str(steps),
+            "--batch",
+            "2",
+            "--seed",
+            str(seed),
+            "--speed",
+            str(speed),
+            "--cache-dir",
+            str(tmp_path / "jax-cache"),
+            "--record",
+            str(rec / "learners" / name),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
     )
     log.close()
     return proc
 
 
 def _live(port, name, not_id=None):
-    return [r["id"] for r in _status(port)["learners"] if r["name"] == name and r["status"] == "live" and r["id"] != not_id]
+    return [
+        r["id"] for r in _status(port)["learners"] if r["name"] == name and r["status"] == "live" and r["id"] != not_id
+    ]
 
 
 def _step(port, learner_id):
@@ -148,7 +200,9 @@ def test_a_learner_tape_that_does_not_fit_its_run_is_named_by_the_first_push(rec
 
     first_push = tape.of("push")[0]
     assert result.divergence is not None
-    assert result.divergence.startswith(f"call {first_push['call']}: push 0 of fragment {first_push['fragment']}"), result.divergence
+    assert result.divergence.startswith(f"call {first_push['call']}: push 0 of fragment {first_push['fragment']}"), (
+        result.divergence
+    )
     assert "sha256" in result.divergence
 
 

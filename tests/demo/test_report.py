@@ -37,10 +37,26 @@ def test_the_ledger_is_explained_as_tokens_trained_and_shares_per_fragment():
 def test_the_report_text_carries_the_explained_ledger_not_the_raw_dict():
     cfg = DemoConfig(fragments=4)
     summary = books(4)
-    report = DemoReport(eval_loss=2.0, eval_bits_per_byte=2.9, baseline_eval_loss=None, baseline_bits_per_byte=None,
-                        choice_accuracy=None, baseline_choice_accuracy=None, uptime=1.0, longest_merge_gap_s=0.5,
-                        goodput=1.0, kills=0, recoveries=0, merges=3, ledger=summary, wall_s=10.0, config=asdict(cfg),
-                        tokens_trained=600, token_budget=1000, global_steps=3)
+    report = DemoReport(
+        eval_loss=2.0,
+        eval_bits_per_byte=2.9,
+        baseline_eval_loss=None,
+        baseline_bits_per_byte=None,
+        choice_accuracy=None,
+        baseline_choice_accuracy=None,
+        uptime=1.0,
+        longest_merge_gap_s=0.5,
+        goodput=1.0,
+        kills=0,
+        recoveries=0,
+        merges=3,
+        ledger=summary,
+        wall_s=10.0,
+        config=asdict(cfg),
+        tokens_trained=600,
+        token_budget=1000,
+        global_steps=3,
+    )
     text = report_text(report)
     assert "\n".join(ledger_lines(summary, 4)) in text and str(summary) not in text
     assert ledger_lines({}, 4) == ["token ledger   nothing reported"]

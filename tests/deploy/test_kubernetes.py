@@ -60,7 +60,9 @@ def test_the_syncer_is_one_cpu_pod_on_its_checkpoint_volume_with_health_probes()
     kinds = by_kind()
     syncer = kinds["Deployment"]
     spec = syncer["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"  # never two syncers on one checkpoint directory
+    assert (
+        spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    )  # never two syncers on one checkpoint directory
     container = _container(syncer)
     env = {e["name"]: e["value"] for e in container["env"]}
     resources = container["resources"]
@@ -100,7 +102,10 @@ def test_learners_are_an_indexed_job_one_gpu_each_restarted_in_place():
     args = container["args"]
     assert args[args.index("--shard") + 1] == f"$(LEARNER_INDEX)/{spec['completions']}"
     (index,) = [e for e in container["env"] if e["name"] == "LEARNER_INDEX"]
-    assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        index["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
 
 
 @pytest.mark.parametrize("kind", ["Deployment", "Job"])

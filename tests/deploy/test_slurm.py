@@ -39,7 +39,9 @@ def as_dict(options):
 
 def test_shellcheck_finds_nothing():
     assert shutil.which("shellcheck"), "shellcheck is not installed: `apt-get install shellcheck` (.ci/run does it)"
-    out = subprocess.run(["shellcheck", "--severity=style", str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        ["shellcheck", "--severity=style", str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stdout
     syntax = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, timeout=60, check=False)
     assert syntax.returncode == 0, syntax.stderr

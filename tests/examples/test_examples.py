@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
+
 from ddiloco.learner import params_file
 from ddiloco.net.auth import write_token_file
-from safetensors.numpy import load_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 START_S_MAX = 120
@@ -26,10 +27,26 @@ def syncer(tmp_path):
     log = tmp_path / "syncer.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--auth-token-file", str(token),
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--fragments", "2",
-             "--outer-lr", "1", "--outer-momentum", "0"],
-            stdout=fh, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.cli",
+                "syncer",
+                "--port",
+                "0",
+                "--auth-token-file",
+                str(token),
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--fragments",
+                "2",
+                "--outer-lr",
+                "1",
+                "--outer-momentum",
+                "0",
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + START_S_MAX
@@ -47,9 +64,26 @@ def test_example_trains_through_a_syncer_and_loads_the_exported_model(syncer, tm
     url, token, ckpt = syncer
     out = tmp_path / "model.safetensors"
     got = subprocess.run(
-        [sys.executable, str(EXAMPLES / example), "--url", url, "--name", "ci", "--token-file", str(token),
-         "--steps", "60", "--checkpoint-dir", str(ckpt), "--out", str(out)],
-        capture_output=True, text=True, timeout=RUN_S_MAX, check=False,
+        [
+            sys.executable,
+            str(EXAMPLES / example),
+            "--url",
+            url,
+            "--name",
+            "ci",
+            "--token-file",
+            str(token),
+            "--steps",
+            "60",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_S_MAX,
+        check=False,
     )
     assert got.returncode == 0, got.stdout + got.stderr
     initial = float(re.search(r"initial loss (\S+)", got.stdout).group(1))
@@ -70,5 +104,7 @@ def test_each_example_is_short_and_uses_only_the_hook_the_docs_show():
     for path in sorted(EXAMPLES.glob("*.py")):
         text = path.read_text()
         assert len(text.splitlines()) <= 100, path.name
-        assert text.count("DilocoSync(") == 1 and text.count("sync.step(") == 1 and text.count("sync.close()") == 1, path.name
+        assert text.count("DilocoSync(") == 1 and text.count("sync.step(") == 1 and text.count("sync.close()") == 1, (
+            path.name
+        )
     assert {p.name for p in EXAMPLES.glob("*.py")} == {"flax_linen.py", "flax_nnx.py", "equinox_mlp.py"}

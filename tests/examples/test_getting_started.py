@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+
 from ddiloco.cli import build_parser, syncer
 from ddiloco.cli.settings import resolve
 
@@ -24,7 +25,11 @@ def test_every_python_block_is_lines_of_one_tested_example():
     assert len(blocks) == 2
     for block in blocks:
         lines = [line.strip() for line in block.splitlines() if line.strip()]
-        holders = [name for name, text in EXAMPLES.items() if all(line in {t.strip() for t in text.splitlines()} for line in lines)]
+        holders = [
+            name
+            for name, text in EXAMPLES.items()
+            if all(line in {t.strip() for t in text.splitlines()} for line in lines)
+        ]
         assert holders, f"not in any example:\n{block}"
 
 

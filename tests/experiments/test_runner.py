@@ -14,11 +14,11 @@ from ddiloco.cli import main
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.grace import GraceConfig
-from ddiloco.experiments import runner as ex
 from ddiloco.experiments import catalog as experiments
-from ddiloco.reference import model as reference
+from ddiloco.experiments import runner as ex
 from ddiloco.experiments.catalog import outage_schedule
 from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.reference import model as reference
 
 TINY = reference.ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq=32)  # seq >= 28: the choice eval
 TOKEN = "experiment-test-token-0123456789"
@@ -33,8 +33,9 @@ def config(seed=0, learners=2, steps=16, **kw):
     kw.setdefault("syncer", SyncerConfig(num_fragments=2, period=4))
     kw.setdefault("inner_steps", 21)  # one compiled step for every test run
     specs = kw.pop("specs", (ex.LearnerSpec(),) * learners)
-    return ex.RunConfig(learners=tuple(specs), model=TINY, batch=2, budget_tokens=learners * 2 * TINY.seq * steps,
-                        seed=seed, **kw)
+    return ex.RunConfig(
+        learners=tuple(specs), model=TINY, batch=2, budget_tokens=learners * 2 * TINY.seq * steps, seed=seed, **kw
+    )
 
 
 def test_a_run_is_deterministic_by_seed():
@@ -85,8 +86,11 @@ def _settled(state, syncs, step) -> bool:
                 waiting = rnd is not None and s.learner_id in rnd.asked and s.learner_id not in rnd.pushes
                 if waiting and (p, rnd.number) not in requests:
                     return False
-            if any(pr not in decided and not (state.fragments[pr[0]].open and s.learner_id in state.fragments[pr[0]].open.pushes)
-                   for pr in s.client.pushed):
+            if any(
+                pr not in decided
+                and not (state.fragments[pr[0]].open and s.learner_id in state.fragments[pr[0]].open.pushes)
+                for pr in s.client.pushed
+            ):
                 return False
             for p, frag in enumerate(state.fragments):
                 if max(s.versions[p], updates[p].version if p in updates else -1) != frag.version:
@@ -107,7 +111,9 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
     """Lockstep learners and K = M (a round closes when all delivered) force one event order; the
     runner and the real daemon with real clients must then reach the same syncer state bit for bit."""
     steps, m = 16, 2
-    cfg = config(learners=m, steps=steps, syncer=SyncerConfig(num_fragments=2, period=4, quorum=m, grace=GraceConfig(overlap=2)))
+    cfg = config(
+        learners=m, steps=steps, syncer=SyncerConfig(num_fragments=2, period=4, quorum=m, grace=GraceConfig(overlap=2))
+    )
     ours = ex.run(cfg, settle=True)
     assert ours.merges >= 4
 
@@ -119,8 +125,10 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
         for i in range(m):
             params = ex.initial_params(TINY, cfg.seed)
             # every step's report, as the runner's learners send them (lockstep needs each one)
-            sync = DilocoSync.connect(params, SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec,
-                                                 progress_interval_s=0.0))
+            sync = DilocoSync.connect(
+                params,
+                SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec, progress_interval_s=0.0),
+            )
             sync.client = _Recorded(sync.client)
             syncs.append(sync)
             learners.append([params, tx.init(params), ex.learner_stream(TINY, cfg.batch, cfg.seed, i, m), sync])
@@ -209,10 +217,18 @@ def test_demo_settings_default_size_is_the_demos_training():
     assert cfg == DemoConfig()  # `ddiloco demo` and the Python API's default are one demo
     size = experiments.DEFAULT
     setting = size.demo_setting()
-    assert (setting.model, setting.steps, setting.period, setting.overlap) == (model_config(cfg), cfg.steps, cfg.period, cfg.overlap)
+    assert (setting.model, setting.steps, setting.period, setting.overlap) == (
+        model_config(cfg),
+        cfg.steps,
+        cfg.period,
+        cfg.overlap,
+    )
     assert (size.batch, size.m, size.fragments) == (cfg.batch, cfg.learners, cfg.fragments)
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.quorum) == (1.0, 0.0, 1)
-    assert experiments.EXPERIMENTS["demo-settings"].model_and_steps(size) == (model_config(cfg), cfg.steps)  # what the page names
+    assert experiments.EXPERIMENTS["demo-settings"].model_and_steps(size) == (
+        model_config(cfg),
+        cfg.steps,
+    )  # what the page names
     # a budget given overrides the steps, as for the other experiments
     assert replace(size, budget_tokens=4 * 8 * 64 * 10).demo_setting().steps == 10
 

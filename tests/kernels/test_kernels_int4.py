@@ -176,7 +176,9 @@ def test_parallel_path_uses_every_slice():
     ref_codes, ref_scales = reference.quantize_int4(x, block)
     np.testing.assert_array_equal(scales, ref_scales)
     assert (nibbles(codes) != nibbles(ref_codes)).sum() <= 2  # ties only, vanishingly rare here
-    np.testing.assert_array_equal(kernels.dequantize_int4(codes, scales, block), reference.dequantize_int4(codes, scales, block))
+    np.testing.assert_array_equal(
+        kernels.dequantize_int4(codes, scales, block), reference.dequantize_int4(codes, scales, block)
+    )
     acc = rng.standard_normal(n).astype(np.float32)
     want = acc.copy()
     kernels.accumulate_int4(acc, 0.3, codes, scales, block)

@@ -42,8 +42,9 @@ def test_quantize_delta_is_the_numpy_expression_quantised(case, parallel):
     else:
         np.testing.assert_array_equal(new_residual, target - kernels.dequantize_int4(codes, scales, block))
         # error feedback loses nothing: what was sent plus what is kept is the target
-        np.testing.assert_allclose(kernels.dequantize_int4(codes, scales, block) + new_residual, target, rtol=1e-6,
-                                   atol=1e-30)
+        np.testing.assert_allclose(
+            kernels.dequantize_int4(codes, scales, block) + new_residual, target, rtol=1e-6, atol=1e-30
+        )
     for a, b in zip(before, (base, theta, residual)):
         if a is not None:
             np.testing.assert_array_equal(a, b)  # inputs untouched; the residual comes back fresh

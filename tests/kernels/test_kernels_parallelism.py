@@ -41,8 +41,12 @@ def _compiled_versions():
 
     from ddiloco.kernels import _bf16, _dense, _lowbit, _nesterov, _segments
 
-    return {f"{m.__name__}.{k}": len(v.signatures) for m in (_bf16, _dense, _lowbit, _nesterov, _segments)
-            for k, v in vars(m).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
+    return {
+        f"{m.__name__}.{k}": len(v.signatures)
+        for m in (_bf16, _dense, _lowbit, _nesterov, _segments)
+        for k, v in vars(m).items()
+        if isinstance(v, numba.core.registry.CPUDispatcher)
+    }
 
 
 @pytest.mark.parametrize("frozen", [False, True])
@@ -61,9 +65,11 @@ def test_after_warmup_no_input_compiles_another_version(frozen):
         x = as_received(np.linspace(-1.0, 1.0, n, dtype=np.float32))
         acc = np.zeros(n, dtype=np.float32)
         offsets = as_received(np.array([0, n // 2, n], dtype=np.int64))
-        for quantize, dequantize, accumulate in ((kernels.quantize_int4, kernels.dequantize_int4, kernels.accumulate_int4),
-                                                 (kernels.quantize_int2, kernels.dequantize_int2, kernels.accumulate_int2),
-                                                 (kernels.quantize_int1, kernels.dequantize_int1, kernels.accumulate_int1)):
+        for quantize, dequantize, accumulate in (
+            (kernels.quantize_int4, kernels.dequantize_int4, kernels.accumulate_int4),
+            (kernels.quantize_int2, kernels.dequantize_int2, kernels.accumulate_int2),
+            (kernels.quantize_int1, kernels.dequantize_int1, kernels.accumulate_int1),
+        ):
             codes, scales = (as_received(a) for a in quantize(x))
             dequantize(codes, scales)
             accumulate(acc, 0.5, codes, scales)
@@ -82,12 +88,15 @@ def test_after_warmup_no_input_compiles_another_version(frozen):
         factors = as_received(np.ones(2, dtype=np.float32))
         for parallel in (True, False):
             kernels.round_mean_int4(acc, weights, [codes, codes], [scales, scales], parallel=parallel)
-            kernels.round_mean_step_int4(acc, buf, weights, [codes, codes], [scales, scales], 0.7, 0.9, parallel=parallel)
+            kernels.round_mean_step_int4(
+                acc, buf, weights, [codes, codes], [scales, scales], 0.7, 0.9, parallel=parallel
+            )
             kernels.round_mean(acc, weights, [x, x], parallel=parallel)
             kernels.round_mean_step(acc, buf, weights, [x, x], 0.7, 0.9, parallel=parallel)
             kernels.rda_accumulate_round(acc, weights, [x, x], offsets, both, parallel=parallel)
-            kernels.rda_accumulate_round_int4(acc, weights, [codes, codes], [scales, scales], offsets, both,
-                                              parallel=parallel)
+            kernels.rda_accumulate_round_int4(
+                acc, weights, [codes, codes], [scales, scales], offsets, both, parallel=parallel
+            )
             kernels.nesterov_step_segments(acc, buf, x, offsets, factors, 0.7, 0.9, parallel=parallel)
             _, _, residual = kernels.quantize_delta_int4(x, acc, as_received(buf), parallel=parallel)
             kernels.quantize_delta_int4(x, acc, parallel=parallel)
@@ -188,8 +197,14 @@ def test_results_do_not_depend_on_the_thread_count():
         kernels.rda_accumulate_int4(acc, 0.3, codes, scales, offsets, norms)
         theta, buf = x.copy(), np.zeros(n, dtype=np.float32)
         kernels.round_mean_step_int4(theta, buf, np.array([0.25, 0.75]), [codes, codes], [scales, scales], 0.7, 0.9)
-        return [kernels.segment_sumsq(x, offsets), kernels.segment_sumsq_int4(codes, scales, offsets), acc, theta, buf,
-                *kernels.quantize_int4(x)]
+        return [
+            kernels.segment_sumsq(x, offsets),
+            kernels.segment_sumsq_int4(codes, scales, offsets),
+            acc,
+            theta,
+            buf,
+            *kernels.quantize_int4(x),
+        ]
 
     before = numba.get_num_threads()
     results = []

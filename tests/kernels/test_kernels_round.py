@@ -146,20 +146,33 @@ def test_bad_rounds_are_refused_before_anything_is_written():
     w = np.array([0.5, 0.5])
     bad = [
         (lambda: kernels.round_mean_step_int4(theta, buf, w, [codes], [scales, scales], LR, MU), "codes must hold 2"),
-        (lambda: kernels.round_mean_step_int4(theta, buf, np.array([0.5, -1.0]), [codes] * 2, [scales] * 2, LR, MU),
-         "weights must be finite and non-negative"),
-        (lambda: kernels.round_mean_step_int4(theta, buf, np.array([], dtype=np.float64), [], [], LR, MU),
-         "at least one"),
-        (lambda: kernels.round_mean_step_int4(theta, buf, w, [codes, codes[:10]], [scales] * 2, LR, MU), "codes must have"),
+        (
+            lambda: kernels.round_mean_step_int4(theta, buf, np.array([0.5, -1.0]), [codes] * 2, [scales] * 2, LR, MU),
+            "weights must be finite and non-negative",
+        ),
+        (
+            lambda: kernels.round_mean_step_int4(theta, buf, np.array([], dtype=np.float64), [], [], LR, MU),
+            "at least one",
+        ),
+        (
+            lambda: kernels.round_mean_step_int4(theta, buf, w, [codes, codes[:10]], [scales] * 2, LR, MU),
+            "codes must have",
+        ),
         (lambda: kernels.round_mean_step_int4(theta, theta, w, [codes] * 2, [scales] * 2, LR, MU), "share memory"),
         (lambda: kernels.round_mean_step(theta, buf, w, [x, theta], LR, MU), "share memory"),
         (lambda: kernels.round_mean_step(theta, buf, w, (x, x.astype(np.float64)), LR, MU), "dtype float32"),
         (lambda: kernels.round_mean(theta, w, x), "list or tuple"),
         (lambda: kernels.rda_accumulate_round(theta, w, [x, x], np.array([0, n]), np.ones((1, 1))), r"shape \(2, 1\)"),
-        (lambda: kernels.rda_accumulate_round(theta, w, [x, x], np.array([0, n]), np.full((2, 1), np.nan)),
-         "norms must be finite"),
-        (lambda: kernels.nesterov_step_segments(theta, buf, x, np.array([0, n]), np.array([np.inf], np.float32), LR, MU),
-         "factors must be finite"),
+        (
+            lambda: kernels.rda_accumulate_round(theta, w, [x, x], np.array([0, n]), np.full((2, 1), np.nan)),
+            "norms must be finite",
+        ),
+        (
+            lambda: kernels.nesterov_step_segments(
+                theta, buf, x, np.array([0, n]), np.array([np.inf], np.float32), LR, MU
+            ),
+            "factors must be finite",
+        ),
     ]
     for call, message in bad:
         with pytest.raises(kernels.KernelInputError, match=message):

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import ray
+
 from ddiloco.launch.plan import LaunchConfig
 from ddiloco.launch.ray import launch
 from ddiloco.net import store
@@ -58,29 +59,46 @@ def _live(status, name=None):
 def test_ray_launch_survives_a_killed_learner_and_a_killed_syncer(tmp_path, local_ray, self_signed_cert):
     cert, key = self_signed_cert
     config = LaunchConfig(
-        learners=2, checkpoint_dir=tmp_path / "ck", log_dir=tmp_path / "logs", token=secrets.token_hex(16),
-        host="127.0.0.1", port=_free_port(), tls_cert=cert.read_bytes(), tls_key=key.read_bytes(), tls_ca=cert.read_bytes(),
+        learners=2,
+        checkpoint_dir=tmp_path / "ck",
+        log_dir=tmp_path / "logs",
+        token=secrets.token_hex(16),
+        host="127.0.0.1",
+        port=_free_port(),
+        tls_cert=cert.read_bytes(),
+        tls_key=key.read_bytes(),
+        tls_ca=cert.read_bytes(),
         # Ray kills an actor's children with it: a killed syncer resumes from its last periodic checkpoint.
         syncer_args=("--fragments", "2", "--period", "2", "--checkpoint-every-merges", "5"),
         learner_args=(*SMALL_LEARNER, "--cache-dir", str(tmp_path / "jax")),
-        syncer_cpus=0.5, learner_cpus=0.5,  # three actors on a 2-CPU cluster
+        syncer_cpus=0.5,
+        learner_cpus=0.5,  # three actors on a 2-CPU cluster
     )
     job = launch(config)
     try:
         assert job.syncer_url.startswith("wss://127.0.0.1:") and job.status_url.startswith("https://")
-        status = until(lambda: (s := job.status())["merges"] >= 2 and len(_live(s)) == 2 and s, 240, "two live learners merging")
+        status = until(
+            lambda: (s := job.status())["merges"] >= 2 and len(_live(s)) == 2 and s, 240, "two live learners merging"
+        )
         assert {entry["name"] for entry in _live(status)} == {"learner-0", "learner-1"}
 
         # A learner actor killed: Ray starts it again, and its learner rejoins the syncer by itself.
         before = ray.get(job.learners[0].pid.remote())
         ids_before = {entry["id"] for entry in status["learners"] if entry["name"] == "learner-0"}
         ray.kill(job.learners[0], no_restart=False)
-        after = until(lambda: (pid := ray.get(job.learners[0].pid.remote(), timeout=60)) != before and pid, 120, "a new actor")
+        after = until(
+            lambda: (pid := ray.get(job.learners[0].pid.remote(), timeout=60)) != before and pid, 120, "a new actor"
+        )
         assert after != before
         merges = job.status()["merges"]
         rejoined = until(
-            lambda: (s := job.status())["merges"] > merges and [e for e in _live(s, "learner-0") if e["id"] not in ids_before] and s,
-            240, "learner-0 rejoined under a new id, and merges going on",
+            lambda: (
+                (s := job.status())["merges"] > merges
+                and [e for e in _live(s, "learner-0") if e["id"] not in ids_before]
+                and s
+            ),
+            240,
+            "learner-0 rejoined under a new id, and merges going on",
         )
         assert len(_live(rejoined)) == 2
 
@@ -89,13 +107,21 @@ def test_ray_launch_survives_a_killed_learner_and_a_killed_syncer(tmp_path, loca
         syncer_pid = ray.get(job.syncer.address.remote())["pid"]
         merged = job.status()["merges"]
         ray.kill(job.syncer, no_restart=False)
-        where = until(lambda: (a := ray.get(job.syncer.address.remote(), timeout=60))["pid"] != syncer_pid and a, 180,
-                      "a new syncer actor")
+        where = until(
+            lambda: (a := ray.get(job.syncer.address.remote(), timeout=60))["pid"] != syncer_pid and a,
+            180,
+            "a new syncer actor",
+        )
         assert where["resumed"] and where["url"] == job.syncer_url
-        resumed_at = int(re.findall(r"resumed from ckpt-\S+: (\d+) merges", (tmp_path / "logs" / "syncer.log").read_text())[-1])
+        resumed_at = int(
+            re.findall(r"resumed from ckpt-\S+: (\d+) merges", (tmp_path / "logs" / "syncer.log").read_text())[-1]
+        )
         assert resumed_at >= merged - 10  # the newest checkpoint, or the one before it if the kill cut a write short
-        resumed = until(lambda: (s := job.status())["merges"] >= merged + 2 and len(_live(s)) == 2 and s, 240,
-                        "merges after the syncer's restart")
+        resumed = until(
+            lambda: (s := job.status())["merges"] >= merged + 2 and len(_live(s)) == 2 and s,
+            240,
+            "merges after the syncer's restart",
+        )
         assert resumed["merges"] >= merged + 2
     finally:
         job.shutdown()
@@ -116,11 +142,37 @@ def test_the_launch_ray_command_runs_a_job_to_its_end_and_stops_it_cleanly(tmp_p
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "DDILOCO_"))}
     out = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "launch", "ray", "--learners", "1", "--token-file", str(tmp_path / "token"),
-         "--host", "127.0.0.1", "--port", str(port), "--checkpoint-dir", "ck", "--log-dir", "logs",
-         "--syncer-cpus", "0.5", "--learner-cpus", "0.5", "--syncer-args=--fragments 2 --period 2",
-         f"--learner-args=--steps 12 --batch 4 --cache-dir {tmp_path / 'jax'}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env, check=False,
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "launch",
+            "ray",
+            "--learners",
+            "1",
+            "--token-file",
+            str(tmp_path / "token"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--checkpoint-dir",
+            "ck",
+            "--log-dir",
+            "logs",
+            "--syncer-cpus",
+            "0.5",
+            "--learner-cpus",
+            "0.5",
+            "--syncer-args=--fragments 2 --period 2",
+            f"--learner-args=--steps 12 --batch 4 --cache-dir {tmp_path / 'jax'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from ddiloco.launch.plan import LaunchConfig, learner_argv, syncer_argv, syncer_urls
 
 TOKEN = "9f2c4e1ab7d05f3e8c6a1b9d2e7f4a03"
@@ -16,8 +17,18 @@ def config(**changes):
 def test_the_syncer_resumes_only_when_told_and_passes_its_own_arguments_through():
     c = config(syncer_args=("--fragments", "8"))
     fresh = syncer_argv(c, Path("/p/token"), resume=False)
-    assert fresh == ["--host", "0.0.0.0", "--port", "8470", "--auth-token-file", "/p/token", "--checkpoint-dir", "/ck",
-                     "--fragments", "8"]
+    assert fresh == [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8470",
+        "--auth-token-file",
+        "/p/token",
+        "--checkpoint-dir",
+        "/ck",
+        "--fragments",
+        "8",
+    ]
     again = syncer_argv(c, Path("/p/token"), resume=True, tls_files=(Path("/p/c"), Path("/p/k")))
     assert again[6:8] == ["--resume", "/ck"] and again[8:12] == ["--tls-cert", "/p/c", "--tls-key", "/p/k"]
 
@@ -25,8 +36,20 @@ def test_the_syncer_resumes_only_when_told_and_passes_its_own_arguments_through(
 def test_each_learner_gets_its_shard_and_name_and_the_token_only_as_a_file():
     c = config(learner_args=("--steps", "50"))
     argv = learner_argv(c, 2, "wss://h:1/ws", Path("/p/token"), ca_file=Path("/p/ca"))
-    assert argv == ["--syncer", "wss://h:1/ws", "--token-file", "/p/token", "--shard", "2/3", "--name", "learner-2",
-                    "--tls-ca", "/p/ca", "--steps", "50"]
+    assert argv == [
+        "--syncer",
+        "wss://h:1/ws",
+        "--token-file",
+        "/p/token",
+        "--shard",
+        "2/3",
+        "--name",
+        "learner-2",
+        "--tls-ca",
+        "/p/ca",
+        "--steps",
+        "50",
+    ]
     assert TOKEN not in " ".join(argv) + " ".join(syncer_argv(c, Path("/p/token"), resume=False))
     assert TOKEN not in repr(c)
     with pytest.raises(ValueError, match=r"learner index must lie in \[0, 3\)"):

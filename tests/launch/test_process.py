@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+
 from ddiloco.launch.process import LaunchError, PrivateDir, Supervised
 
 # A child that says it is ready, then waits; on SIGTERM it notes it in a file and exits 0.
@@ -71,8 +72,11 @@ def test_private_files_are_the_owners_alone_and_go_away_on_close():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_child_gets_sigterm_when_its_supervisor_is_killed(tmp_path):
     out = tmp_path / "child-out"
-    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, CHILD, str(out), str(tmp_path / "child.log")],
-                                  stdout=subprocess.PIPE, text=True)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, CHILD, str(out), str(tmp_path / "child.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         child_pid = int(supervisor.stdout.readline())
         assert _alive(child_pid) and not out.exists()
@@ -87,7 +91,9 @@ def test_a_child_gets_sigterm_when_its_supervisor_is_killed(tmp_path):
 
 def test_stop_is_a_clean_sigterm_and_not_reported_as_a_failure(tmp_path):
     exits = []
-    child = Supervised([sys.executable, "-c", CHILD, str(tmp_path / "out")], tmp_path / "logs" / "c.log", on_exit=exits.append)
+    child = Supervised(
+        [sys.executable, "-c", CHILD, str(tmp_path / "out")], tmp_path / "logs" / "c.log", on_exit=exits.append
+    )
     child.start()
     assert child.wait_for_line(r"child (\w+)", 60).group(1) == "ready"
     assert child.stop() == 0 and (tmp_path / "out").read_text() == "terminated"
@@ -98,8 +104,11 @@ def test_an_unasked_exit_is_reported_and_the_log_keeps_every_run(tmp_path):
     log = tmp_path / "c.log"
     exited = threading.Event()
     codes = []
-    failing = Supervised([sys.executable, "-c", "print('about to fail', flush=True); raise SystemExit(3)"], log,
-                         on_exit=lambda code: (codes.append(code), exited.set()))
+    failing = Supervised(
+        [sys.executable, "-c", "print('about to fail', flush=True); raise SystemExit(3)"],
+        log,
+        on_exit=lambda code: (codes.append(code), exited.set()),
+    )
     failing.start()
     assert exited.wait(60) and codes == [3]
     with pytest.raises(LaunchError, match=r"exited with 3 before it was ready; see .*c\.log"):

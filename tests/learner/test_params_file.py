@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from safetensors.numpy import load_file
+
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import build_layout
@@ -16,15 +18,16 @@ from ddiloco.learner import params_file
 from ddiloco.learner.params_file import ParamsFileError, load_params
 from ddiloco.learner.tree import TreeFragments, tensor_specs
 from ddiloco.net import store
-from safetensors.numpy import load_file
 
 
 def _params(seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     return {
         "embed": jax.random.normal(keys[0], (11, 4)),
-        "blocks": [{"w": jax.random.normal(keys[1], (4, 4)), "b": jax.random.normal(keys[2], (4,))},
-                   {"w": jax.random.normal(keys[3], (4, 4)).astype(jnp.bfloat16), "b": jnp.zeros((4,))}],
+        "blocks": [
+            {"w": jax.random.normal(keys[1], (4, 4)), "b": jax.random.normal(keys[2], (4,))},
+            {"w": jax.random.normal(keys[3], (4, 4)).astype(jnp.bfloat16), "b": jnp.zeros((4,))},
+        ],
         "head": {"scale": jax.random.normal(keys[4], ())},
     }
 
@@ -39,18 +42,31 @@ def _checkpoint(directory, params, merges):
     state = syncer.new_state(SyncerConfig(num_fragments=3, block=8), layout, [tree.gather(params, q) for q in range(3)])
     state.merges, state.global_step = merges, 10 * merges
     # One run writes them all, as one syncer does.
-    return store.CheckpointStore.open(directory, RUN if directory.exists() else None, new_id=lambda: RUN).write(state).path
+    return (
+        store.CheckpointStore.open(directory, RUN if directory.exists() else None, new_id=lambda: RUN).write(state).path
+    )
 
 
 def _export(source, out, fmt):
-    got = subprocess.run([sys.executable, "-m", "ddiloco.cli", "export", str(source), "--format", fmt, "--out", str(out)],
-                         capture_output=True, text=True, timeout=120, check=False)
+    got = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "export", str(source), "--format", fmt, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return got
 
 
 def _flat(params):
-    return {"embed": params["embed"], "blocks/0/w": params["blocks"][0]["w"], "blocks/0/b": params["blocks"][0]["b"],
-            "blocks/1/w": params["blocks"][1]["w"], "blocks/1/b": params["blocks"][1]["b"], "head/scale": params["head"]["scale"]}
+    return {
+        "embed": params["embed"],
+        "blocks/0/w": params["blocks"][0]["w"],
+        "blocks/0/b": params["blocks"][0]["b"],
+        "blocks/1/w": params["blocks"][1]["w"],
+        "blocks/1/b": params["blocks"][1]["b"],
+        "head/scale": params["head"]["scale"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +92,11 @@ def test_each_format_reads_back_with_its_own_library_equal_to_the_checkpointed_p
     }
     with ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(exported["orbax"].resolve())
-    by_library["orbax"] = {"embed": tree["embed"], "head/scale": tree["head"]["scale"],
-                           **{f"blocks/{i}/{k}": tree["blocks"][str(i)][k] for i in (0, 1) for k in ("w", "b")}}
+    by_library["orbax"] = {
+        "embed": tree["embed"],
+        "head/scale": tree["head"]["scale"],
+        **{f"blocks/{i}/{k}": tree["blocks"][str(i)][k] for i in (0, 1) for k in ("w", "b")},
+    }
     for fmt, got in by_library.items():
         assert sorted(got) == sorted(want), fmt
         for name, value in want.items():

@@ -12,13 +12,13 @@ import optax
 import pytest
 
 from ddiloco.core.syncer import LearnerStatus
-from ddiloco.reference import data
-from ddiloco.reference import model as reference
-from ddiloco.learner import recovery
 from ddiloco.demo.learner_process import LearnerConfig, run_learner
+from ddiloco.learner import recovery
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.net import peer
 from ddiloco.net.peer import PeerConfig
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 
 TOKEN = "recovery-test-token-0123456789"
 MODEL = reference.ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, seq=16)
@@ -32,8 +32,17 @@ def live(name):
 
 def learner_config(url, name, index):
     return LearnerConfig(
-        syncer=url, name=name, shard=data.Shard(index, 2), token=TOKEN, model=MODEL, train=TRAIN, batch=2,
-        seed=index, codec="int4", steps_total=10**9, speed=0.2,
+        syncer=url,
+        name=name,
+        shard=data.Shard(index, 2),
+        token=TOKEN,
+        model=MODEL,
+        train=TRAIN,
+        batch=2,
+        seed=index,
+        codec="int4",
+        steps_total=10**9,
+        speed=0.2,
     )
 
 
@@ -43,8 +52,11 @@ def fresh_state(seed=7):
 
 
 def adam_count(opt_state):
-    counts = [int(np.asarray(s.count)) for s in jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    counts = [
+        int(np.asarray(s.count))
+        for s in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
     assert counts, "the reference optimizer holds an Adam state"
     return counts[0]
 
@@ -81,7 +93,9 @@ class PeerLearner:
 
 def test_a_killed_learner_rejoins_from_a_live_peer(threaded_syncer):
     hub = threaded_syncer(num_fragments=2, period=2, block=64, token=TOKEN)
-    killed = multiprocessing.get_context("spawn").Process(target=run_learner, args=(learner_config(hub.url, "b", 1),), daemon=True)
+    killed = multiprocessing.get_context("spawn").Process(
+        target=run_learner, args=(learner_config(hub.url, "b", 1),), daemon=True
+    )
     a = sync = None
     try:
         a = PeerLearner(hub.url)

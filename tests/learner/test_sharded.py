@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import build_layout
 from ddiloco.learner import recovery
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tree import TreeFragments, leaf_path, tensor_specs
 from ddiloco.net import peer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DEVICES = 4
 CHILD_TIMEOUT_S = 180  # ~10 s on 2 shared cores; generous for a loaded machine
@@ -50,7 +51,11 @@ def run_child() -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve())],
-        env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     assert proc.returncode == 0 and lines, (
@@ -62,7 +67,9 @@ def run_child() -> dict:
 
 def test_sharded_params_keep_their_shardings_through_sync_and_recovery():
     result = run_child()
-    assert result["devices"] == DEVICES, f"the child saw {result['devices']} devices, not {DEVICES}: XLA_FLAGS not applied"
+    assert result["devices"] == DEVICES, (
+        f"the child saw {result['devices']} devices, not {DEVICES}: XLA_FLAGS not applied"
+    )
     failures = result["failures"]
     assert not failures, f"{len(failures)} sharded learner checks failed:\n" + "\n".join(failures[:20])
     assert result["merged_versions_applied"] > 0, f"no merged fragment was applied: {result}"
@@ -143,8 +150,10 @@ def check_tree(checks: Checks, committed: bool) -> None:
         got = tree.gather(params, p)
         for seg in frag.segments:
             want = host[seg.tensor.path].reshape(-1)
-            checks.that(np.array_equal(got[seg.offset : seg.offset + seg.tensor.size], want),
-                        f"{tag}: gather of fragment {p} differs from the host value of {seg.tensor.path}")
+            checks.that(
+                np.array_equal(got[seg.offset : seg.offset + seg.tensor.size], want),
+                f"{tag}: gather of fragment {p} differs from the host value of {seg.tensor.path}",
+            )
         for alpha in (0.0, 0.25):
             values = (got + 1.0).astype(np.float32)
             new = tree.scatter(params, p, values, alpha)
@@ -152,10 +161,14 @@ def check_tree(checks: Checks, committed: bool) -> None:
             new_host = {path: np.asarray(jax.device_get(leaf), dtype=np.float32) for path, leaf in named_leaves(new)}
             for seg in frag.segments:
                 path, dtype = seg.tensor.path, SPECS[seg.tensor.path][1]
-                want = alpha * host[path] + (1 - alpha) * values[seg.offset : seg.offset + seg.tensor.size].reshape(host[path].shape)
+                want = alpha * host[path] + (1 - alpha) * values[seg.offset : seg.offset + seg.tensor.size].reshape(
+                    host[path].shape
+                )
                 want = np.asarray(want.astype(dtype), dtype=np.float32)  # rounded as the leaf's dtype is
-                checks.that(np.array_equal(new_host[path], want),
-                            f"{tag}: scatter(alpha={alpha}) wrote wrong values into {path}")
+                checks.that(
+                    np.array_equal(new_host[path], want),
+                    f"{tag}: scatter(alpha={alpha}) wrote wrong values into {path}",
+                )
 
 
 def check_sync_and_recovery(checks: Checks, result: dict) -> None:
@@ -180,29 +193,42 @@ def check_sync_and_recovery(checks: Checks, result: dict) -> None:
             params = sync.step(update(params), tokens=64)
             steps += 1
             time.sleep(0.005)
-        result |= {"steps": steps, "merged_versions_applied": sync.merged_versions_applied,
-                   "versions": list(sync.versions), "merges": daemon.read(lambda state: state.merges)}
+        result |= {
+            "steps": steps,
+            "merged_versions_applied": sync.merged_versions_applied,
+            "versions": list(sync.versions),
+            "merges": daemon.read(lambda state: state.merges),
+        }
         check_placements(checks, "params after sync.step", params, original)
-        finite = all(bool(np.isfinite(np.asarray(jax.device_get(x), dtype=np.float32)).all()) for x in jax.tree.leaves(params))
+        finite = all(
+            bool(np.isfinite(np.asarray(jax.device_get(x), dtype=np.float32)).all()) for x in jax.tree.leaves(params)
+        )
         checks.that(finite, "params after sync.step hold non-finite values")
         # Applied fragments must not move a leaf: a moved leaf is a new cache entry (a recompile).
         result["jit_cache_size"] = cache_size()
-        checks.that(cache_size() == compiled,
-                    f"the jitted step compiled again during sync ({compiled} -> {cache_size()} cache entries)")
+        checks.that(
+            cache_size() == compiled,
+            f"the jitted step compiled again during sync ({compiled} -> {cache_size()} cache entries)",
+        )
 
         opt_state = optax.adam(1e-3).init(params)
         data = recovery.snapshot_bytes(params, opt_state, sync.step_count, sync.versions, sync.layout.digest)
         local_params = make_params(2)  # another learner's fresh state on the same mesh
         local_opt = optax.adam(1e-3).init(local_params)
         new_params, new_opt, step, versions = recovery.adopt(
-            peer.decode_snapshot(data), local_params, local_opt, sync.layout.digest, tuple(sync.versions))
+            peer.decode_snapshot(data), local_params, local_opt, sync.layout.digest, tuple(sync.versions)
+        )
         check_placements(checks, "adopted params", new_params, local_params)
         check_placements(checks, "adopted optimizer state", new_opt, local_opt)
-        checks.that(step == sync.step_count and list(versions) == list(sync.versions),
-                    f"adopted step/versions {step}/{list(versions)}, snapshot had {sync.step_count}/{sync.versions}")
+        checks.that(
+            step == sync.step_count and list(versions) == list(sync.versions),
+            f"adopted step/versions {step}/{list(versions)}, snapshot had {sync.step_count}/{sync.versions}",
+        )
         for (path, a), (_, b) in zip(named_leaves(new_params), named_leaves(params)):
-            checks.that(np.array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))),
-                        f"adopted params: {path} is not the snapshot's value")
+            checks.that(
+                np.array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))),
+                f"adopted params: {path} is not the snapshot's value",
+            )
     finally:
         sync.close()
         daemon.stop()
@@ -212,8 +238,10 @@ def main() -> None:
     checks = Checks()
     result: dict = {"devices": len(jax.devices())}
     params = make_params(0)
-    result["sharded_leaves"] = sum(len(leaf.sharding.device_set) == DEVICES and not leaf.sharding.is_fully_replicated
-                                   for _, leaf in named_leaves(params))
+    result["sharded_leaves"] = sum(
+        len(leaf.sharding.device_set) == DEVICES and not leaf.sharding.is_fully_replicated
+        for _, leaf in named_leaves(params)
+    )
     started = time.monotonic()
     if result["devices"] == DEVICES:
         check_tree(checks, committed=True)

@@ -11,14 +11,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import LearnerStatus, state_hash
-from ddiloco.reference import data
-from ddiloco.reference import model as reference
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.learner.tree import leaf_path
 from ddiloco.net import peer, store
 from ddiloco.net import snapshot as snapshots
+from ddiloco.reference import data
+from ddiloco.reference import model as reference
 
 from .conftest import TOKEN
 
@@ -44,8 +45,9 @@ class Learner:
     def _run(self):
         try:
             train_step = reference.make_train_step(MODEL, reference.make_optimizer(TRAIN))
-            stream = data.batches(data.Shard(self.index, 2).slice(data.train_bytes()), 2, MODEL.seq,
-                                  np.random.default_rng(self.index))
+            stream = data.batches(
+                data.Shard(self.index, 2).slice(data.train_bytes()), 2, MODEL.seq, np.random.default_rng(self.index)
+            )
             params, opt_state = self.params, self.opt_state
             while not self.stop.is_set():
                 x, y = next(stream)
@@ -71,7 +73,9 @@ def _post(url, token=TOKEN):
 
 
 def _live(s, count):
-    return s.wait_for(f"{count} live learners", lambda st: sum(r.status is LearnerStatus.LIVE for r in st.learners.values()) >= count)
+    return s.wait_for(
+        f"{count} live learners", lambda st: sum(r.status is LearnerStatus.LIVE for r in st.learners.values()) >= count
+    )
 
 
 @pytest.fixture
@@ -109,7 +113,9 @@ def test_a_snapshot_taken_during_training_is_a_consistent_cut(snapshot_run):
         assert set(snap.meta["sync"]) >= {"steps", "tokens"} and entry["name"] in ("learner-0", "learner-1")
         assert all(f"sync/base/{q}" in snap.arrays for q in range(2))
     for message in manifest["inflight"]:  # channel state: from the two learners, after the cut
-        assert message["kind"] in ("Progress", "Push", "InitFragment") and str(message["learner"]) in manifest["learners"]
+        assert (
+            message["kind"] in ("Progress", "Push", "InitFragment") and str(message["learner"]) in manifest["learners"]
+        )
         if message["kind"] == "Push":
             assert message["fields"]["base_version"] <= manifest["versions"][message["fields"]["fragment"]]
 

@@ -86,7 +86,9 @@ def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_
         # On a loaded machine c may need more steps to hold every fragment: train on until it is
         # live (the condition, not a step count, is what the test is about).
         deadline = time.monotonic() + 120
-        while state.learners[c["sync"].learner_id].status is not syncer.LearnerStatus.LIVE and time.monotonic() < deadline:
+        while (
+            state.learners[c["sync"].learner_id].status is not syncer.LearnerStatus.LIVE and time.monotonic() < deadline
+        ):
             train([a, c], 5)
         assert state.merges > merges
         rec = state.learners[c["sync"].learner_id]
@@ -115,8 +117,10 @@ def test_more_fragments_than_tensors_is_one_clear_error_on_both_sides(threaded_s
     with pytest.raises(SyncerRefused) as refused:
         sync.join()
     assert isinstance(refused.value, UserError)
-    assert "the syncer splits the model into 8 fragments but it has 4 tensors: " \
-           "start the syncer with --fragments 4 or fewer" in str(refused.value)
+    assert (
+        "the syncer splits the model into 8 fragments but it has 4 tensors: "
+        "start the syncer with --fragments 4 or fewer" in str(refused.value)
+    )
     # one error, raised where join was called: no chained exception, no frames of the client's thread
     assert refused.value.__cause__ is None and refused.value.__suppress_context__
     frames = [f.name for f in traceback.extract_tb(refused.value.__traceback__)]
@@ -167,7 +171,9 @@ def test_with_closes_the_client_and_the_peer_server(threaded_syncer):
         me, peer_url = sync.learner_id, sync.peer_server.url
         assert s.wait_for("the learner", lambda st: me in st.learners)
         assert peer_answers(peer_url)
-    assert s.wait_for("the learner's goodbye", lambda st: me not in st.learners or st.learners[me].status is syncer.LearnerStatus.GONE)
+    assert s.wait_for(
+        "the learner's goodbye", lambda st: me not in st.learners or st.learners[me].status is syncer.LearnerStatus.GONE
+    )
     assert not peer_answers(peer_url)
 
 

@@ -4,6 +4,7 @@ import importlib
 import inspect
 
 import pytest
+
 from ddiloco.demo.replay import _Snapshots, _Transport
 from ddiloco.experiments.inprocess import InProcessTransport
 from ddiloco.learner.transport import SnapshotOutbox, Transport

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from ddiloco.net import files
 
 DISK_BYTES = 256 << 10
@@ -55,7 +56,9 @@ class Disk:
 def _mount_tmpfs(path: Path) -> bool:
     path.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], capture_output=True, check=False)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(path)], capture_output=True, check=False
+        )
     except OSError:
         return False
     return done.returncode == 0

@@ -5,6 +5,7 @@ import random
 import string
 
 import pytest
+
 from ddiloco.net import auth
 from ddiloco.net.auth import AuthConfigError
 
@@ -63,7 +64,9 @@ def test_weak_tokens_are_refused_with_the_reason(token, message):
         auth.check_token(token)
 
 
-@pytest.mark.parametrize("mode, who", [(0o644, "group and others"), (0o640, "group"), (0o604, "others"), (0o666, "group and others")])
+@pytest.mark.parametrize(
+    "mode, who", [(0o644, "group and others"), (0o640, "group"), (0o604, "others"), (0o666, "group and others")]
+)
 def test_a_token_file_others_may_read_is_refused_or_accepted_with_a_warning(tmp_path, caplog, mode, who):
     path = tmp_path / "token"
     path.write_text(_hex_tokens(1, 32)[0] + "\n")
@@ -99,8 +102,19 @@ def test_a_token_file_that_cannot_be_read_or_holds_a_weak_token_says_which_file(
 
 @pytest.mark.parametrize(
     "host, loopback",
-    [("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("[::1]", True), ("localhost", True), ("LocalHost", True),
-     ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.3", False), ("syncer.example", False)],
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("LocalHost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("10.0.0.3", False),
+        ("syncer.example", False),
+    ],
 )
 def test_loopback_addresses(host, loopback):
     assert auth.is_loopback(host) is loopback

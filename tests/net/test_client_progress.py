@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+
 from ddiloco.net import session
 from ddiloco.net.client import ClientConfig, ThreadedClient
 
@@ -28,8 +29,9 @@ def paced():
 
     def make(interval: float):
         clock = FakeClock()
-        tc = ThreadedClient(ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=(), progress_interval_s=interval),
-                            clock=clock)
+        tc = ThreadedClient(
+            ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=(), progress_interval_s=interval), clock=clock
+        )
         clients.append(tc)
 
         def queued() -> list[int]:

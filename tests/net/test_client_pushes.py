@@ -3,6 +3,7 @@
 import logging
 
 import numpy as np
+
 from ddiloco.core import codec
 from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec

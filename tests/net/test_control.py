@@ -3,13 +3,18 @@
 import socket
 
 import pytest
+
 from ddiloco.net.control import ControlError, http_base, request_checkpoint
 
 
 @pytest.mark.parametrize(
     "url, base",
-    [("ws://127.0.0.1:8470/ws", "http://127.0.0.1:8470"), ("wss://syncer.example/ws/", "https://syncer.example"),
-     ("http://127.0.0.1:8470", "http://127.0.0.1:8470"), ("http://10.0.0.1:1/", "http://10.0.0.1:1")],
+    [
+        ("ws://127.0.0.1:8470/ws", "http://127.0.0.1:8470"),
+        ("wss://syncer.example/ws/", "https://syncer.example"),
+        ("http://127.0.0.1:8470", "http://127.0.0.1:8470"),
+        ("http://10.0.0.1:1/", "http://10.0.0.1:1"),
+    ],
 )
 def test_http_base_from_the_websocket_url_or_the_http_address(url, base):
     assert http_base(url) == base

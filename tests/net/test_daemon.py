@@ -67,7 +67,9 @@ class Learner:
     """A minimal learner over the real client: answers requests with small random outer gradients."""
 
     def __init__(self, url, name, tensors=TENSORS, token=TOKEN, seed=0, ca_file=None):
-        self.client = SyncerClient(ClientConfig(url=url, name=name, tensors=tensors, token=token, wire=SMALL, ca_file=ca_file))
+        self.client = SyncerClient(
+            ClientConfig(url=url, name=name, tensors=tensors, token=token, wire=SMALL, ca_file=ca_file)
+        )
         self.rng = np.random.default_rng(seed)
         self.versions = None
         self.step = 0
@@ -80,7 +82,8 @@ class Learner:
         w = self.client.inbox.welcome
         self.layout = w.layout
         self.sizes = [
-            -(-max(128, sum(int(np.prod(shape)) for _, shape, _, _ in frag)) // 128) * 128 for frag in w.layout["fragments"]
+            -(-max(128, sum(int(np.prod(shape)) for _, shape, _, _ in frag)) // 128) * 128
+            for frag in w.layout["fragments"]
         ]
         self.versions = [-1] * len(self.sizes)
         self.step = w.global_step  # a (re)joining learner continues the syncer's step count
@@ -107,8 +110,17 @@ class Learner:
         while box.requests:
             r = box.requests.popleft()
             vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-            self.client.queue_push(Push(self.client.inbox.welcome.learner, r.fragment, r.round, r.base_version, 1, 64,
-                                        codec.parse(codec.encode(vec, "int4"))))
+            self.client.queue_push(
+                Push(
+                    self.client.inbox.welcome.learner,
+                    r.fragment,
+                    r.round,
+                    r.base_version,
+                    1,
+                    64,
+                    codec.parse(codec.encode(vec, "int4")),
+                )
+            )
 
     async def stop(self):
         await self.client.close()
@@ -354,7 +366,9 @@ async def test_learner_that_does_not_read_is_dropped_not_buffered(tmp_path):
     state = syncer.new_state(s.config)
     s.server = SyncerServer(
         state,
-        ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL, queues=QueueLimits(bulk_messages_queued_max=1)),
+        ServerConfig(
+            port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL, queues=QueueLimits(bulk_messages_queued_max=1)
+        ),
     )
     await s.server.start()
     a = Learner(s.ws_url, "a", seed=1)
@@ -482,9 +496,18 @@ class FakeSyncer:
 
 def _welcome(layout_json: str) -> msg.Welcome:
     return msg.Welcome(
-        learner_id=1, layout_digest="0" * 64, fragment_count=2, versions=(0, 0), sync_every_steps=2,
-        fragment_offsets=(0, 1), global_step=0, codec=msg.CodecName.INT4, codec_block=64, clock={},
-        needs_init=False, layout_json=layout_json,
+        learner_id=1,
+        layout_digest="0" * 64,
+        fragment_count=2,
+        versions=(0, 0),
+        sync_every_steps=2,
+        fragment_offsets=(0, 1),
+        global_step=0,
+        codec=msg.CodecName.INT4,
+        codec_block=64,
+        clock={},
+        needs_init=False,
+        layout_json=layout_json,
     )
 
 
@@ -495,8 +518,17 @@ async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
         return [frame]
 
     async with FakeSyncer(reply) as fake:
-        client = SyncerClient(ClientConfig(url=fake.url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
-                                           reconnect_s_min=0.01, reconnect_s_max=0.02))
+        client = SyncerClient(
+            ClientConfig(
+                url=fake.url,
+                name="a",
+                tensors=TENSORS,
+                token=TOKEN,
+                wire=SMALL,
+                reconnect_s_min=0.01,
+                reconnect_s_max=0.02,
+            )
+        )
         await asyncio.wait_for(client.run(), 10)  # returns: refused for good
     assert isinstance(client.refused, SyncerRefused)
     assert "another protocol version" in str(client.refused) and "version 2" in str(client.refused)
@@ -505,8 +537,17 @@ async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
 
 async def test_a_malformed_welcome_drops_the_connection_and_the_client_reconnects():
     async with FakeSyncer(lambda _hello: wire.encode(_welcome("{not json"), message_id=1, limits=SMALL)) as fake:
-        client = SyncerClient(ClientConfig(url=fake.url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
-                                           reconnect_s_min=0.01, reconnect_s_max=0.02))
+        client = SyncerClient(
+            ClientConfig(
+                url=fake.url,
+                name="a",
+                tensors=TENSORS,
+                token=TOKEN,
+                wire=SMALL,
+                reconnect_s_min=0.01,
+                reconnect_s_max=0.02,
+            )
+        )
         task = asyncio.ensure_future(client.run())
         try:
             await until(lambda: fake.connections >= 3, what="reconnects after the malformed welcome")
@@ -555,8 +596,17 @@ async def test_backoff_starts_short_again_after_a_connection_that_worked(tmp_pat
     with socket.socket() as sock:  # a free port, with no syncer on it yet
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    client = SyncerClient(ClientConfig(url=f"ws://127.0.0.1:{port}/ws", name="a", tensors=TENSORS, token=TOKEN,
-                                       wire=SMALL, reconnect_s_min=0.01, reconnect_s_max=0.16))
+    client = SyncerClient(
+        ClientConfig(
+            url=f"ws://127.0.0.1:{port}/ws",
+            name="a",
+            tensors=TENSORS,
+            token=TOKEN,
+            wire=SMALL,
+            reconnect_s_min=0.01,
+            reconnect_s_max=0.16,
+        )
+    )
     task = asyncio.ensure_future(client.run())
     retries = lambda: [r.getMessage() for r in caplog.records if "retrying in about" in r.getMessage()]
     await until(lambda: len(retries()) >= 6, what="retries against a syncer that is not there")
@@ -639,8 +689,12 @@ async def test_tls_unusable_files_are_refused_with_their_names(tmp_path, self_si
         SyncerClient(ClientConfig(url="wss://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=key))
     from ddiloco.net.client import ThreadedClient
 
-    with pytest.raises(TlsConfigError, match="No such file or directory"):  # raised to the caller, from the client's thread
-        ThreadedClient(ClientConfig(url="wss://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=tmp_path / "none.pem"))
+    with pytest.raises(
+        TlsConfigError, match="No such file or directory"
+    ):  # raised to the caller, from the client's thread
+        ThreadedClient(
+            ClientConfig(url="wss://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=tmp_path / "none.pem")
+        )
     with pytest.raises(ValueError, match="only applies to a wss://"):
         ClientConfig(url="ws://127.0.0.1:1/ws", name="z", tensors=TENSORS, ca_file=cert)
 
@@ -649,8 +703,18 @@ async def test_a_lost_syncer_is_retried_at_most_rejoin_s_max_apart_for_the_rejoi
     caplog.set_level("INFO", logger="ddiloco.client")
     s = Syncer(tmp_path)
     await s.start()
-    client = SyncerClient(ClientConfig(url=s.ws_url, name="a", tensors=TENSORS, token=TOKEN, wire=SMALL,
-                                       reconnect_s_min=0.01, rejoin_s_max=0.04, reconnect_s_max=5.0))
+    client = SyncerClient(
+        ClientConfig(
+            url=s.ws_url,
+            name="a",
+            tensors=TENSORS,
+            token=TOKEN,
+            wire=SMALL,
+            reconnect_s_min=0.01,
+            rejoin_s_max=0.04,
+            reconnect_s_max=5.0,
+        )
+    )
     task = asyncio.ensure_future(client.run())
     await until(lambda: client.inbox.welcomes == 1, what="the welcome")
     await s.server.stop()  # a syncer that was just reachable goes away (a restart)
@@ -684,11 +748,13 @@ def of_learner(name, kind):
     def pick(state, event):
         rec = state.learners.get(getattr(event, "learner", None))
         return type(event).__name__ == kind and rec is not None and rec.name == name
+
     return pick
 
 
 async def test_a_learner_whose_event_fails_is_dropped_with_an_internal_error_and_the_others_go_on(
-        tmp_path, caplog, monkeypatch):
+    tmp_path, caplog, monkeypatch
+):
     caplog.set_level("INFO", logger="ddiloco.syncer")
     s = Syncer(tmp_path)
     await s.start()
@@ -718,7 +784,8 @@ async def test_a_learner_whose_event_fails_is_dropped_with_an_internal_error_and
 
 
 async def test_an_assertion_in_the_core_stops_the_daemon_without_checkpointing_the_half_changed_state(
-        tmp_path, caplog, monkeypatch):
+    tmp_path, caplog, monkeypatch
+):
     s = Syncer(tmp_path, checkpoint_every_merges=1)
     state = syncer.new_state(s.config)
     s.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL))
@@ -780,8 +847,9 @@ async def test_healthz_fails_while_the_core_completes_nothing_and_recovers_after
 
     s = Syncer(tmp_path)
     state = syncer.new_state(s.config)
-    s.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL,
-                                                core_stall_s_max=0.2))
+    s.server = SyncerServer(
+        state, ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=s.dir, wire=SMALL, core_stall_s_max=0.2)
+    )
     await s.server.start()
     assert (await health_of(s))[0] == 200
     release = threading.Event()

@@ -4,6 +4,7 @@ import errno
 import pickle
 
 import pytest
+
 from ddiloco.net import files
 
 

@@ -10,8 +10,21 @@ from ddiloco.core import syncer
 from ddiloco.core.events import Join
 from ddiloco.net import fuzz
 
-FAMILIES = {"valid", "field", "clock", "tensors", "structure", "payload", "bitflip", "header", "truncate",
-            "truncate+crc", "sequence", "oversized", "counters"}
+FAMILIES = {
+    "valid",
+    "field",
+    "clock",
+    "tensors",
+    "structure",
+    "payload",
+    "bitflip",
+    "header",
+    "truncate",
+    "truncate+crc",
+    "sequence",
+    "oversized",
+    "counters",
+}
 
 
 def test_a_bounded_fuzz_run_leaves_the_daemon_alive_and_merging():
@@ -39,5 +52,8 @@ def test_a_core_that_dies_is_counted_and_fails_the_run(monkeypatch, capsys, tmp_
     assert doc["ok"] is False and doc["core_deaths"] >= 1 and doc["seed"] == 1
     # a core that failed stops the daemon (net.server): it answers 503, or no longer listens
     assert "core deaths: 0" not in out
-    assert "FAILED: batch 1: core died: /healthz answers 503" in out or "FAILED: batch 1: the daemon stopped listening" in out
+    assert (
+        "FAILED: batch 1: core died: /healthz answers 503" in out
+        or "FAILED: batch 1: the daemon stopped listening" in out
+    )
     assert out.rstrip().endswith("FAILED")

@@ -21,8 +21,10 @@ WAIT_S_MAX = 20.0  # how long a test waits for a close that is due after 0.3 s (
 
 @pytest.fixture
 async def daemon(tmp_path):
-    server = SyncerServer(syncer.new_state(SyncerConfig(num_fragments=2, period=2)),
-                          ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=tmp_path / "ckpt", guard=LIMITS))
+    server = SyncerServer(
+        syncer.new_state(SyncerConfig(num_fragments=2, period=2)),
+        ServerConfig(port=0, auth_token=TOKEN, checkpoint_dir=tmp_path / "ckpt", guard=LIMITS),
+    )
     await server.start()
     yield server
     await server.stop(checkpoint=False)
@@ -35,8 +37,10 @@ async def closed_by_peer(reader: asyncio.StreamReader) -> bytes:
 
 def upgrade_request(port: int) -> bytes:
     key = base64.b64encode(os.urandom(16)).decode()
-    return (f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {TOKEN}\r\n\r\n").encode()
+    return (
+        f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    ).encode()
 
 
 async def test_half_an_http_request_is_closed_after_handshake_s_max(daemon):
@@ -98,10 +102,12 @@ async def test_connections_beyond_the_limit_per_address_are_refused_with_429(dae
 
 
 def test_frame_bounds_follow_headers_of_every_length_across_any_split():
-    frames = [bytes([0x82, 0x80 | 5]) + b"mask" + b"hello",
-              bytes([0x82, 0x80 | 126, 0x01, 0x00]) + b"mask" + b"y" * 256,
-              bytes([0x82, 0x80 | 127]) + (70_000).to_bytes(8, "big") + b"mask" + b"z" * 70_000,
-              bytes([0x8A, 0x00])]  # an empty unmasked pong
+    frames = [
+        bytes([0x82, 0x80 | 5]) + b"mask" + b"hello",
+        bytes([0x82, 0x80 | 126, 0x01, 0x00]) + b"mask" + b"y" * 256,
+        bytes([0x82, 0x80 | 127]) + (70_000).to_bytes(8, "big") + b"mask" + b"z" * 70_000,
+        bytes([0x8A, 0x00]),
+    ]  # an empty unmasked pong
     stream = b"".join(frames)
     ends = set()
     at = 0

@@ -52,8 +52,17 @@ class Daemon:
         self.server = SyncerServer(state, ServerConfig(port=0, auth_token=TOKEN, wire=LIMITS))
         await self.server.start()
         self.url = f"ws://127.0.0.1:{self.server.port}/ws"
-        self.client = SyncerClient(ClientConfig(url=self.url, name="honest", tensors=TENSORS, token=TOKEN, wire=LIMITS,
-                                                progress_interval_s=0, close_drain_s=0))
+        self.client = SyncerClient(
+            ClientConfig(
+                url=self.url,
+                name="honest",
+                tensors=TENSORS,
+                token=TOKEN,
+                wire=LIMITS,
+                progress_interval_s=0,
+                close_drain_s=0,
+            )
+        )
         self.task = asyncio.create_task(self.client.run())
         await asyncio.wait_for(self.client.welcomed.wait(), 20)
         self.rng = np.random.default_rng(0)
@@ -65,8 +74,9 @@ class Daemon:
         self.step = 0
         await until(lambda: self.server.state.holds_parameters, "the initial parameters")
         self.http = aiohttp.ClientSession()
-        self.ws = await self.http.ws_connect(self.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                                             max_msg_size=LIMITS.max_msg_size)
+        self.ws = await self.http.ws_connect(
+            self.url, headers={"Authorization": f"Bearer {TOKEN}"}, max_msg_size=LIMITS.max_msg_size
+        )
         self.reassembler = wire.Reassembler(LIMITS, accepted=msg.SYNCER_KINDS)
         self.ids = 100
         return self
@@ -96,7 +106,9 @@ class Daemon:
             while box.requests:
                 r = box.requests.popleft()
                 vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-                self.client.queue_push(Push(0, r.fragment, r.round, r.base_version, 1, 64, codec.parse(codec.encode(vec, "int4"))))
+                self.client.queue_push(
+                    Push(0, r.fragment, r.round, r.base_version, 1, 64, codec.parse(codec.encode(vec, "int4")))
+                )
             await asyncio.sleep(0.02)
         async with self.http.get(f"http://127.0.0.1:{self.server.port}/healthz") as answer:
             assert answer.status == 200
@@ -123,15 +135,31 @@ class Daemon:
 
 
 def _hello(rows: list, clock: dict | None = None) -> dict:
-    return {"name": "hostile", "layout_digest": "0" * 64, "shard": 0, "resume_learner_id": None,
-            "held_versions": [], "clock": clock or {"hostile": 1}, "tensors_json": json.dumps(rows)}
+    return {
+        "name": "hostile",
+        "layout_digest": "0" * 64,
+        "shard": 0,
+        "resume_learner_id": None,
+        "held_versions": [],
+        "clock": clock or {"hostile": 1},
+        "tensors_json": json.dumps(rows),
+    }
 
 
 def _push(fragment: int, elements: int, **fields) -> tuple[dict, bytes]:
     encoded = codec.encode(np.zeros(elements, dtype=np.float32), "fp32")
-    meta = {"fragment": fragment, "round": 1, "base_version": 0, "steps": 1, "tokens": 64, "codec": "fp32",
-            "block": 1, "element_count": elements, "clock": {"hostile": 2}} | fields
-    return meta, encoded[codec.HEADER_BYTES:]
+    meta = {
+        "fragment": fragment,
+        "round": 1,
+        "base_version": 0,
+        "steps": 1,
+        "tokens": 64,
+        "codec": "fp32",
+        "block": 1,
+        "element_count": elements,
+        "clock": {"hostile": 2},
+    } | fields
+    return meta, encoded[codec.HEADER_BYTES :]
 
 
 async def test_a_tensor_path_with_a_digit_int_cannot_read_is_refused_as_bad_layout():
@@ -151,8 +179,13 @@ async def test_a_clock_near_the_limit_is_refused_and_the_syncers_clock_keeps_its
     # a clock entry near 2**63 made the syncer's own tick overflow outside any handler
     async with Daemon() as d:
         await d.hello()
-        meta = {"step": 1, "held_versions": [0, 0], "fragment_steps": [1, 1], "fragment_tokens": [64, 64],
-                "clock": {"syncer": counter}}
+        meta = {
+            "step": 1,
+            "held_versions": [0, 0],
+            "fragment_steps": [1, 1],
+            "fragment_tokens": [64, 64],
+            "clock": {"syncer": counter},
+        }
         await d.send(msg.Kind.PROGRESS, meta)
         err = await d.next(msg.Error)
         assert err.code == msg.ErrorCode.BAD_MESSAGE and not err.fatal and "clock" in err.text
@@ -176,8 +209,13 @@ async def test_a_progress_that_jumps_a_million_steps_is_refused_and_the_global_s
         await d.hello()
         await d.merges_go_on()
         step = d.server.state.global_step
-        meta = {"step": step + 10**6, "held_versions": [0, 0], "fragment_steps": [1, 1],
-                "fragment_tokens": [64, 64], "clock": {"hostile": 3}}
+        meta = {
+            "step": step + 10**6,
+            "held_versions": [0, 0],
+            "fragment_steps": [1, 1],
+            "fragment_tokens": [64, 64],
+            "clock": {"hostile": 3},
+        }
         await d.send(msg.Kind.PROGRESS, meta)
         err = await d.next(msg.Error)
         assert err.code == msg.ErrorCode.BAD_MESSAGE and "jumps more than" in err.text
@@ -205,8 +243,16 @@ async def test_a_push_with_a_negative_block_scale_is_refused_as_bad_shape(name):
     async with Daemon() as d:
         await d.hello()
         versions = [f.version for f in d.server.state.fragments]
-        await d.send(msg.Kind.PROGRESS, {"step": d.server.state.global_step, "held_versions": versions,
-                                         "fragment_steps": [1, 1], "fragment_tokens": [64, 64], "clock": {"hostile": 2}})
+        await d.send(
+            msg.Kind.PROGRESS,
+            {
+                "step": d.server.state.global_step,
+                "held_versions": versions,
+                "fragment_steps": [1, 1],
+                "fragment_tokens": [64, 64],
+                "clock": {"hostile": 2},
+            },
+        )
         await until(lambda: d.server.state.learners[2].status is syncer.LearnerStatus.LIVE, "the hostile peer live")
         merging = asyncio.create_task(d.merges_go_on())  # opens rounds, which ask the hostile peer too
         request = await d.next(msg.Request)
@@ -214,10 +260,18 @@ async def test_a_push_with_a_negative_block_scale_is_refused_as_bad_shape(name):
         raw = bytearray(codec.encode(np.full(d.sizes[request.fragment], 0.01, dtype=np.float32), name))
         raw[codec.HEADER_BYTES : codec.HEADER_BYTES + 4] = np.float32(-1.0).tobytes()
         parsed = codec.parse(codec.encode(np.zeros(d.sizes[request.fragment], dtype=np.float32), name))
-        meta = {"fragment": request.fragment, "round": request.round, "base_version": request.base_version,
-                "steps": 1, "tokens": 64, "codec": name, "block": parsed.block, "element_count": parsed.elements,
-                "clock": {"hostile": 5}}
-        await d.send(msg.Kind.PUSH, meta, bytes(raw[codec.HEADER_BYTES:]))
+        meta = {
+            "fragment": request.fragment,
+            "round": request.round,
+            "base_version": request.base_version,
+            "steps": 1,
+            "tokens": 64,
+            "codec": name,
+            "block": parsed.block,
+            "element_count": parsed.elements,
+            "clock": {"hostile": 5},
+        }
+        await d.send(msg.Kind.PUSH, meta, bytes(raw[codec.HEADER_BYTES :]))
         err = await d.next(msg.Error)
         assert err.code == msg.ErrorCode.BAD_SHAPE and "negative block scale" in err.text
         await d.merges_go_on()

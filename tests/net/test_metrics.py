@@ -33,8 +33,11 @@ def families(text: str) -> dict:
 
 def value(fams: dict, name: str, **labels) -> float:
     family = fams[name]
-    found = [s.value for s in family.samples if all(s.labels.get(k) == v for k, v in labels.items())
-             and s.name in (name, f"{name}_total")]
+    found = [
+        s.value
+        for s in family.samples
+        if all(s.labels.get(k) == v for k, v in labels.items()) and s.name in (name, f"{name}_total")
+    ]
     assert len(found) == 1, (name, labels, family.samples)
     return found[0]
 

@@ -39,13 +39,24 @@ class Browser:
         binary = shutil.which("chromium") or shutil.which("chromium-browser")
         assert binary, "chromium not found: install it (apt-get install -y chromium; .ci/run does)"
         self.proc = await asyncio.create_subprocess_exec(
-            binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0",
-            f"--user-data-dir={self.user_dir}", "--window-size=1280,1000", "about:blank",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={self.user_dir}",
+            "--window-size=1280,1000",
+            "about:blank",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
         )
         port_file = self.user_dir / "DevToolsActivePort"
-        await until(lambda: port_file.exists() and port_file.read_text().count("\n") >= 1,
-                    CHROMIUM_START_S_MAX, "chromium's DevTools port")
+        await until(
+            lambda: port_file.exists() and port_file.read_text().count("\n") >= 1,
+            CHROMIUM_START_S_MAX,
+            "chromium's DevTools port",
+        )
         port = int(port_file.read_text().split()[0])
         self.http = aiohttp.ClientSession()
         targets = await (await self.http.get(f"http://127.0.0.1:{port}/json/list")).json()
@@ -64,8 +75,9 @@ class Browser:
                 return message["result"]
             self.events.append(message)  # (dialogs, console messages: looked at by the test)
             if message.get("method") == "Page.javascriptDialogOpening":  # an injected alert() would block the page
-                await self.ws.send_json({"id": next(self.ids), "method": "Page.handleJavaScriptDialog",
-                                         "params": {"accept": True}})
+                await self.ws.send_json(
+                    {"id": next(self.ids), "method": "Page.handleJavaScriptDialog", "params": {"accept": True}}
+                )
 
     async def eval(self, expression: str):
         result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
@@ -123,7 +135,8 @@ async def test_page_shows_the_run_escapes_what_learners_send_and_marks_a_dead_sy
                 "(() => { const c = Object.fromEntries([...document.querySelectorAll('.card')].map("
                 "e => [e.firstChild.textContent, e.lastChild.textContent]));"
                 " return parseFloat(c['merges/s']) > 0 && c; })()",
-                "a merge rate")
+                "a merge rate",
+            )
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
@@ -163,7 +176,8 @@ async def test_page_shows_the_run_escapes_what_learners_send_and_marks_a_dead_sy
         mark = await browser.wait_for(
             "(() => { const a = document.getElementById('answer');"
             " return a.className === 'down' && [a.textContent, getComputedStyle(a).color]; })()",
-            "that the syncer is not answering")
+            "that the syncer is not answering",
+        )
         assert re.match(r"syncer not answering since \d\d:\d\d:\d\d \(", mark[0]), mark
         assert mark[1] == "rgb(204, 0, 0)"
         assert await browser.eval("document.getElementById('view').className") == "stale"

@@ -29,11 +29,14 @@ def test_snapshot_round_trip_keeps_dtypes_shapes_and_meta():
         np.testing.assert_array_equal(snap.arrays[name], arr)
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "hash does not match"),
-    (lambda b: b[:-40], "hash does not match"),
-    (lambda b: b"x" * 10, "too short"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "hash does not match"),
+        (lambda b: b[:-40], "hash does not match"),
+        (lambda b: b"x" * 10, "too short"),
+    ],
+)
 def test_a_corrupt_snapshot_is_rejected_with_a_clear_error(damage, match):
     data = peer.encode_snapshot({"step": 5}, arrays())
     with pytest.raises(peer.PeerError, match=match):
@@ -131,12 +134,22 @@ def test_hello_carries_the_peer_url_and_leaves_it_out_when_empty():
     got = wire.Reassembler(wire.WireLimits()).feed(frames[0])
     assert got.peer_url == "http://10.0.0.2:4000/snapshot"
     assert session.event_for(got, 7, None, None).peer_url == "http://10.0.0.2:4000/snapshot"
-    plain = msg.Hello(name="a", layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock={}, tensors_json="[]")
+    plain = msg.Hello(
+        name="a", layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock={}, tensors_json="[]"
+    )
     assert b"peer_url" not in msg.message_meta(plain)  # an older syncer reads the hello unchanged
     assert _round_trip(plain).peer_url == ""
     with pytest.raises(ValueError, match="http"):
-        msg.Hello(name="a", layout_digest="0" * 64, shard=0, resume_learner_id=None, held_versions=(), clock={},
-                  tensors_json="[]", peer_url="file:///etc/passwd")
+        msg.Hello(
+            name="a",
+            layout_digest="0" * 64,
+            shard=0,
+            resume_learner_id=None,
+            held_versions=(),
+            clock={},
+            tensors_json="[]",
+            peer_url="file:///etc/passwd",
+        )
 
 
 def test_welcome_lists_the_peers():

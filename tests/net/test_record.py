@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import orjson
+
 from ddiloco.cli import main as cli_main
 from ddiloco.core import codec, syncer
 from ddiloco.core import tape as tapes
@@ -61,8 +62,17 @@ class Learner:
         while box.requests:
             r = box.requests.popleft()
             vec = (self.rng.standard_normal(self.sizes[r.fragment]) * 0.01).astype(np.float32)
-            self.client.queue_push(Push(self.client.inbox.welcome.learner, r.fragment, r.round, r.base_version, 1, 64,
-                                        codec.parse(codec.encode(vec, "int4"))))
+            self.client.queue_push(
+                Push(
+                    self.client.inbox.welcome.learner,
+                    r.fragment,
+                    r.round,
+                    r.base_version,
+                    1,
+                    64,
+                    codec.parse(codec.encode(vec, "int4")),
+                )
+            )
 
     async def kill(self):
         """Gone without a bye: the task dies, the socket closes under the syncer."""
@@ -90,7 +100,9 @@ async def test_a_recorded_run_with_a_kill_replays_bit_identically(tmp_path, caps
     await b.welcome()
     await train_until(server, [a, b], 3)
     await b.kill()
-    await until(lambda: any(r.status is syncer.LearnerStatus.GONE for r in server.state.learners.values()), what="b gone")
+    await until(
+        lambda: any(r.status is syncer.LearnerStatus.GONE for r in server.state.learners.values()), what="b gone"
+    )
     await train_until(server, [a], 5)
     b = Learner(url, "b", 3)  # a new process under the same name
     await b.welcome()
@@ -138,9 +150,22 @@ async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, c
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--fragments", "2", "--period", "2",
-         "--record", str(tmp_path / "tape")],
-        stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "syncer",
+            "--port",
+            "0",
+            "--fragments",
+            "2",
+            "--period",
+            "2",
+            "--record",
+            str(tmp_path / "tape"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         loop = asyncio.get_running_loop()

@@ -4,6 +4,7 @@ import struct
 
 import numpy as np
 import pytest
+
 from ddiloco.core import codec, syncer
 from ddiloco.core import tape as tapes
 from ddiloco.core.config import SyncerConfig

@@ -36,7 +36,10 @@ def test_a_push_arrives_as_the_same_value_with_the_connections_learner(name):
     assert isinstance(got, ev.Push)
     assert (got.learner, got.fragment, got.round, got.base_version, got.steps, got.tokens) == (3, 0, 3, 2, 4, 512)
     assert (got.payload.codec, got.payload.block, got.payload.elements) == (
-        sent.payload.codec, sent.payload.block, sent.payload.elements)
+        sent.payload.codec,
+        sent.payload.block,
+        sent.payload.elements,
+    )
     assert bytes(got.payload.body) == bytes(sent.payload.body)
     # a view over the message's payload, not a copy of it
     assert np.shares_memory(got.payload.data, np.frombuffer(message.payload, dtype=np.uint8))

@@ -4,6 +4,7 @@ learner state the disk cannot take is left out with the reason instead of stoppi
 import hashlib
 
 import numpy as np
+
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import TensorSpec, build_layout

@@ -5,6 +5,7 @@ import hashlib
 
 import numpy as np
 import pytest
+
 from ddiloco.core import codec, syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import InitFragment, Join, Push
@@ -17,18 +18,29 @@ TENSORS = (TensorSpec("a", (4, 8)), TensorSpec("b", (16,)))
 def initialised_state():
     state = syncer.new_state(SyncerConfig(num_fragments=1, period=2, block=8))
     for conn, name in ((1, "a"), (2, "b")):
-        state, _ = syncer.handle(state, Join(conn=conn, name=name, tensors=TENSORS, protocol=syncer.PROTOCOL_VERSION), 0.0)
+        state, _ = syncer.handle(
+            state, Join(conn=conn, name=name, tensors=TENSORS, protocol=syncer.PROTOCOL_VERSION), 0.0
+        )
     size = state.layout.fragments[0].padded_size
     values = np.arange(size, dtype=np.float32)
-    state, _ = syncer.handle(state, InitFragment(learner=1, fragment=0, payload=codec.parse(codec.encode(values, "fp32"))), 0.1)
+    state, _ = syncer.handle(
+        state, InitFragment(learner=1, fragment=0, payload=codec.parse(codec.encode(values, "fp32"))), 0.1
+    )
     assert state.holds_parameters
     return state
 
 
 def a_push(state, learner):
     vec = np.full(state.layout.fragments[0].padded_size, 0.01, dtype=np.float32)
-    return Push(learner=learner, fragment=0, round=1, base_version=0, steps=1, tokens=10,
-                payload=codec.parse(codec.encode(vec, "int4", 8)))
+    return Push(
+        learner=learner,
+        fragment=0,
+        round=1,
+        base_version=0,
+        steps=1,
+        tokens=10,
+        payload=codec.parse(codec.encode(vec, "int4", 8)),
+    )
 
 
 def test_a_snapshot_records_channels_until_each_local_state_and_completes(tmp_path):

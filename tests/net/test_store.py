@@ -9,6 +9,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import TensorSpec, build_layout
@@ -82,8 +83,16 @@ def test_health_records_success_then_failure(disk):
     assert ck.health.ok and ck.health.written is None
     state = small_state()
     first = ck.write(state)
-    assert ck.health.as_dict() == {"ok": True, "written_at": 1001.0, "written": first.path.name, "merges": 0,
-                                   "versions": [0, 0], "error": None, "error_at": None, "failures_since_written": 0}
+    assert ck.health.as_dict() == {
+        "ok": True,
+        "written_at": 1001.0,
+        "written": first.path.name,
+        "merges": 0,
+        "versions": [0, 0],
+        "error": None,
+        "error_at": None,
+        "failures_since_written": 0,
+    }
     disk.read_only()
     state.global_step = 7
     with pytest.raises(store.StoreError):
@@ -128,7 +137,9 @@ def test_a_fresh_run_is_refused_a_directory_of_another_run(tmp_path):
         state.merges = merges
         old.write(state)
     before = names(tmp_path)
-    with pytest.raises(store.StoreError, match="holds checkpoints of another run: run aaaaaaaaaaaaaaaa \\(3 checkpoints\\)") as info:
+    with pytest.raises(
+        store.StoreError, match="holds checkpoints of another run: run aaaaaaaaaaaaaaaa \\(3 checkpoints\\)"
+    ) as info:
         store.CheckpointStore.open(tmp_path, new_id=ids("bbbbbbbbbbbbbbbb"))
     assert "--overwrite" in str(info.value) and "--resume" in str(info.value)
     assert names(tmp_path) == before

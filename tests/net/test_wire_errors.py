@@ -39,13 +39,23 @@ def _frames(message, message_id: int = 0, limits: WireLimits = LIMITS) -> list[b
     return [bytes(f) for f in encode(message, message_id=message_id, limits=limits)]
 
 
-def _sealed(kind: int, data: bytes, *, message_id: int = 0, index: int = 0, count: int = 1,
-            offset: int = 0, payload_bytes: int = 0, meta_bytes: int | None = None,
-            version: int = 1) -> bytes:
+def _sealed(
+    kind: int,
+    data: bytes,
+    *,
+    message_id: int = 0,
+    index: int = 0,
+    count: int = 1,
+    offset: int = 0,
+    payload_bytes: int = 0,
+    meta_bytes: int | None = None,
+    version: int = 1,
+) -> bytes:
     """A frame written from the layout in docs/protocol.md, with a correct checksum."""
     meta_bytes = len(data) - payload_bytes if meta_bytes is None else meta_bytes
-    head = struct.pack("<4sBBHQIIQQ", b"DDLC", version, kind, 0, message_id, index, count,
-                       offset, payload_bytes) + struct.pack("<I", meta_bytes)
+    head = struct.pack(
+        "<4sBBHQIIQQ", b"DDLC", version, kind, 0, message_id, index, count, offset, payload_bytes
+    ) + struct.pack("<I", meta_bytes)
     return head + struct.pack("<I", zlib.crc32(data, zlib.crc32(head))) + data
 
 
@@ -56,6 +66,7 @@ def _error(reassembler: Reassembler, frame: bytes) -> WireError:
 
 
 # ---- limits ---------------------------------------------------------------------------------
+
 
 def test_default_frame_fits_under_aiohttps_message_limit() -> None:
     assert WireLimits().frame_bytes_max < AIOHTTP_MAX_MSG_SIZE
@@ -91,6 +102,7 @@ def test_encode_refuses_messages_over_the_limits() -> None:
 
 # ---- message validation ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("build", "named"),
     [
@@ -101,47 +113,180 @@ def test_encode_refuses_messages_over_the_limits() -> None:
         (lambda: Bye(reason=None), "Bye.reason"),
         (lambda: Error(code=99, text="", fatal=True), "Error.code"),
         (lambda: Error(code=ErrorCode.STALE, text="", fatal=1), "Error.fatal"),
-        (lambda: Hello(name="", layout_digest=DIGEST, shard=0, resume_learner_id=None,
-                       held_versions=(), clock={}, tensors_json="[]"), "Hello.name"),
-        (lambda: Hello(name="a", layout_digest="XYZ", shard=0, resume_learner_id=None,
-                       held_versions=(), clock={}, tensors_json="[]"), "Hello.layout_digest"),
-        (lambda: Hello(name="a", layout_digest=DIGEST, shard=0, resume_learner_id=None,
-                       held_versions=(1, "2"), clock={}, tensors_json="[]"),
-         r"Hello.held_versions\[1\]"),
-        (lambda: Hello(name="a", layout_digest=DIGEST, shard=0, resume_learner_id=None,
-                       held_versions=(), clock={"s": -1}, tensors_json="[]"), "Hello.clock"),
-        (lambda: Welcome(learner_id=0, layout_digest=DIGEST, fragment_count=2, versions=(0,),
-                         sync_every_steps=4, fragment_offsets=(0, 2), global_step=0,
-                         codec="int4", codec_block=128, clock={}, needs_init=True,
-                         layout_json="{}"), "Welcome.versions"),
-        (lambda: Welcome(learner_id=0, layout_digest=DIGEST, fragment_count=2, versions=(0, 0),
-                         sync_every_steps=4, fragment_offsets=(0, 4), global_step=0,
-                         codec="int4", codec_block=128, clock={}, needs_init=True,
-                         layout_json="{}"), "Welcome.fragment_offsets"),
-        (lambda: Progress(step=0, held_versions=(0, 0), fragment_steps=(1, 2),
-                          fragment_tokens=(1,), clock={}), "Progress.fragment_tokens"),
-        (lambda: Push(fragment=0, round=0, base_version=0, steps=1, tokens=1, codec="fp32",
-                      block=128, element_count=3, clock={}, payload=b"\0" * 8), "Push payload"),
-        (lambda: Push(fragment=0, round=0, base_version=0, steps=1, tokens=1, codec="fp8",
-                      block=128, element_count=3, clock={}, payload=b""), "Push.codec"),
-        (lambda: Update(fragment=0, version=1, codec=CodecName.INT4, element_count=2, clock={},
-                        payload=b"\0"), "Update.codec"),
-        (lambda: Init(fragment=0, element_count=2, clock={}, payload=np.zeros(4)[::2]),
-         "Init.payload"),
+        (
+            lambda: Hello(
+                name="",
+                layout_digest=DIGEST,
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(),
+                clock={},
+                tensors_json="[]",
+            ),
+            "Hello.name",
+        ),
+        (
+            lambda: Hello(
+                name="a",
+                layout_digest="XYZ",
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(),
+                clock={},
+                tensors_json="[]",
+            ),
+            "Hello.layout_digest",
+        ),
+        (
+            lambda: Hello(
+                name="a",
+                layout_digest=DIGEST,
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(1, "2"),
+                clock={},
+                tensors_json="[]",
+            ),
+            r"Hello.held_versions\[1\]",
+        ),
+        (
+            lambda: Hello(
+                name="a",
+                layout_digest=DIGEST,
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(),
+                clock={"s": -1},
+                tensors_json="[]",
+            ),
+            "Hello.clock",
+        ),
+        (
+            lambda: Welcome(
+                learner_id=0,
+                layout_digest=DIGEST,
+                fragment_count=2,
+                versions=(0,),
+                sync_every_steps=4,
+                fragment_offsets=(0, 2),
+                global_step=0,
+                codec="int4",
+                codec_block=128,
+                clock={},
+                needs_init=True,
+                layout_json="{}",
+            ),
+            "Welcome.versions",
+        ),
+        (
+            lambda: Welcome(
+                learner_id=0,
+                layout_digest=DIGEST,
+                fragment_count=2,
+                versions=(0, 0),
+                sync_every_steps=4,
+                fragment_offsets=(0, 4),
+                global_step=0,
+                codec="int4",
+                codec_block=128,
+                clock={},
+                needs_init=True,
+                layout_json="{}",
+            ),
+            "Welcome.fragment_offsets",
+        ),
+        (
+            lambda: Progress(step=0, held_versions=(0, 0), fragment_steps=(1, 2), fragment_tokens=(1,), clock={}),
+            "Progress.fragment_tokens",
+        ),
+        (
+            lambda: Push(
+                fragment=0,
+                round=0,
+                base_version=0,
+                steps=1,
+                tokens=1,
+                codec="fp32",
+                block=128,
+                element_count=3,
+                clock={},
+                payload=b"\0" * 8,
+            ),
+            "Push payload",
+        ),
+        (
+            lambda: Push(
+                fragment=0,
+                round=0,
+                base_version=0,
+                steps=1,
+                tokens=1,
+                codec="fp8",
+                block=128,
+                element_count=3,
+                clock={},
+                payload=b"",
+            ),
+            "Push.codec",
+        ),
+        (
+            lambda: Update(fragment=0, version=1, codec=CodecName.INT4, element_count=2, clock={}, payload=b"\0"),
+            "Update.codec",
+        ),
+        (lambda: Init(fragment=0, element_count=2, clock={}, payload=np.zeros(4)[::2]), "Init.payload"),
         (lambda: Init(fragment=0, element_count=2, clock={}, payload=[0.0, 1.0]), "Init.payload"),
         # the counter limit: 2**53 - 1, far below 2**63, so no tick or sum of counters overflows
-        (lambda: Push(fragment=0, round=0, base_version=0, steps=1, tokens=INT_MAX + 1, codec="fp32",
-                      block=128, element_count=0, clock={}, payload=b""), r"Push.tokens must be an int in \[0, 2\*\*53\)"),
-        (lambda: Progress(step=2**63 - 1, held_versions=(), fragment_steps=(), fragment_tokens=(), clock={}),
-         "Progress.step"),
+        (
+            lambda: Push(
+                fragment=0,
+                round=0,
+                base_version=0,
+                steps=1,
+                tokens=INT_MAX + 1,
+                codec="fp32",
+                block=128,
+                element_count=0,
+                clock={},
+                payload=b"",
+            ),
+            r"Push.tokens must be an int in \[0, 2\*\*53\)",
+        ),
+        (
+            lambda: Progress(step=2**63 - 1, held_versions=(), fragment_steps=(), fragment_tokens=(), clock={}),
+            "Progress.step",
+        ),
         (lambda: Init(fragment=0, element_count=0, clock={"syncer": 2**63 - 1}, payload=b""), "Init.clock"),
-        (lambda: Hello(name="a\nb", layout_digest=DIGEST, shard=0, resume_learner_id=None,
-                       held_versions=(), clock={}, tensors_json="[]"), "Hello.name must be 1 to 256 printable ASCII"),
-        (lambda: Hello(name="x" * 257, layout_digest=DIGEST, shard=0, resume_learner_id=None,
-                       held_versions=(), clock={}, tensors_json="[]"), "Hello.name"),
+        (
+            lambda: Hello(
+                name="a\nb",
+                layout_digest=DIGEST,
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(),
+                clock={},
+                tensors_json="[]",
+            ),
+            "Hello.name must be 1 to 256 printable ASCII",
+        ),
+        (
+            lambda: Hello(
+                name="x" * 257,
+                layout_digest=DIGEST,
+                shard=0,
+                resume_learner_id=None,
+                held_versions=(),
+                clock={},
+                tensors_json="[]",
+            ),
+            "Hello.name",
+        ),
         (lambda: Init(fragment=0, element_count=0, clock={"\u00b2": 1}, payload=b""), "Init.clock key"),
-        (lambda: Init(fragment=0, element_count=0, clock={f"p{i}": 1 for i in range(vclock.ENTRIES_MAX + 1)},
-                      payload=b""), "Init.clock has 4097 entries"),
+        (
+            lambda: Init(
+                fragment=0, element_count=0, clock={f"p{i}": 1 for i in range(vclock.ENTRIES_MAX + 1)}, payload=b""
+            ),
+            "Init.clock has 4097 entries",
+        ),
     ],
 )
 def test_invalid_messages_cannot_be_built(build, named: str) -> None:
@@ -150,17 +295,27 @@ def test_invalid_messages_cannot_be_built(build, named: str) -> None:
 
 
 def test_messages_normalise_lists_enum_values_and_buffers() -> None:
-    progress = Progress(step=1, held_versions=[0, 0], fragment_steps=[1, 2],
-                        fragment_tokens=[3, 4], clock={"a": 1})
+    progress = Progress(step=1, held_versions=[0, 0], fragment_steps=[1, 2], fragment_tokens=[3, 4], clock={"a": 1})
     assert progress.fragment_steps == (1, 2)
-    push = Push(fragment=0, round=0, base_version=0, steps=1, tokens=1, codec="bf16", block=1,
-                element_count=4, clock={}, payload=np.ones((2, 2), dtype="<u2"))
+    push = Push(
+        fragment=0,
+        round=0,
+        base_version=0,
+        steps=1,
+        tokens=1,
+        codec="bf16",
+        block=1,
+        element_count=4,
+        clock={},
+        payload=np.ones((2, 2), dtype="<u2"),
+    )
     assert push.codec is CodecName.BF16
     assert push.payload.readonly and push.payload.format == "B"
     assert bytes(push.payload) == b"\x01\x00" * 4
 
 
 # ---- frame errors ---------------------------------------------------------------------------
+
 
 def test_short_frame_bad_magic_and_unknown_version() -> None:
     (frame,) = _frames(Request(fragment=1, round=2, base_version=3))
@@ -193,7 +348,7 @@ def test_flipped_payload_byte_is_a_checksum_error() -> None:
         b'{"fragment":0.0,"round":0,"base_version":0}',  # float for int
         b'{"fragment":18446744073709551615,"round":0,"base_version":0}',  # above 2**63
         b'{"fragment":null,"round":0,"base_version":0}',
-        b'[0,0,0]',
+        b"[0,0,0]",
         b'{"fragment":0,',  # not JSON
         b'{"fragment":"\xff"}',  # not UTF-8
     ],
@@ -227,6 +382,7 @@ def test_length_field_disagreeing_with_a_lone_frame_is_refused() -> None:
 
 
 # ---- chunk sequences ------------------------------------------------------------------------
+
 
 def test_skipped_chunk_is_fatal_and_poisons_the_connection() -> None:
     frames = _frames(_init(400))
@@ -284,10 +440,10 @@ def test_message_ending_short_of_its_declared_length_is_refused() -> None:
     payload = bytes(400)
     reassembler = Reassembler(LIMITS)
     head = meta + payload[:100]
-    assert reassembler.feed(_sealed(Kind.INIT, head, count=2, payload_bytes=400,
-                                    meta_bytes=len(meta))) is None
-    tail = _sealed(Kind.INIT, payload[100:399], index=1, count=2, offset=len(head),
-                   payload_bytes=400, meta_bytes=len(meta))
+    assert reassembler.feed(_sealed(Kind.INIT, head, count=2, payload_bytes=400, meta_bytes=len(meta))) is None
+    tail = _sealed(
+        Kind.INIT, payload[100:399], index=1, count=2, offset=len(head), payload_bytes=400, meta_bytes=len(meta)
+    )
     error = _error(reassembler, tail)
     assert error.code == ErrorCode.BAD_FRAME and "ended after" in error.text
 
@@ -348,8 +504,9 @@ def test_confined_error_leaves_a_bulk_message_in_flight_intact() -> None:
 
 def test_kinds_not_accepted_are_refused_before_allocating() -> None:
     reassembler = Reassembler(LIMITS, accepted=LEARNER_KINDS)
-    update = Update(fragment=0, version=1, codec=CodecName.FP32, element_count=400, clock={},
-                    payload=np.zeros(400, dtype="<f4"))
+    update = Update(
+        fragment=0, version=1, codec=CodecName.FP32, element_count=400, clock={}, payload=np.zeros(400, dtype="<f4")
+    )
     error = _error(reassembler, _frames(update)[0])
     assert error.code == ErrorCode.UNEXPECTED_KIND and error.fatal
     assert reassembler.bytes_in_flight == 0

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddiloco.net.messages import (
-    INT_MAX,
     BULK_KINDS,
+    INT_MAX,
     Bye,
     CodecName,
     Error,
@@ -33,8 +33,7 @@ from ddiloco.net.wire import Reassembler, WireError, WireLimits, encode
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTROL_BYTES = 512
-LIMITS_BIG = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=1 << 16,
-                        message_bytes_max=1 << 16)
+LIMITS_BIG = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=1 << 16, message_bytes_max=1 << 16)
 
 counts = st.integers(0, INT_MAX)
 small_counts = st.integers(0, 10**6)
@@ -49,13 +48,19 @@ def welcomes(draw: st.DrawFn) -> Welcome:
     fragment_count = draw(st.integers(1, 4))
     every = draw(st.integers(1, 50))
     return Welcome(
-        learner_id=draw(counts), layout_digest=draw(digests), fragment_count=fragment_count,
+        learner_id=draw(counts),
+        layout_digest=draw(digests),
+        fragment_count=fragment_count,
         versions=tuple(draw(st.lists(counts, min_size=fragment_count, max_size=fragment_count))),
         sync_every_steps=every,
-        fragment_offsets=tuple(draw(st.lists(st.integers(0, every - 1), min_size=fragment_count,
-                                             max_size=fragment_count))),
-        global_step=draw(counts), codec=draw(st.sampled_from(CodecName)),
-        codec_block=draw(st.integers(1, 4096)), clock=draw(clocks), needs_init=draw(st.booleans()),
+        fragment_offsets=tuple(
+            draw(st.lists(st.integers(0, every - 1), min_size=fragment_count, max_size=fragment_count))
+        ),
+        global_step=draw(counts),
+        codec=draw(st.sampled_from(CodecName)),
+        codec_block=draw(st.integers(1, 4096)),
+        clock=draw(clocks),
+        needs_init=draw(st.booleans()),
         layout_json=draw(st.text(max_size=30)),
     )
 
@@ -64,8 +69,13 @@ def welcomes(draw: st.DrawFn) -> Welcome:
 def progresses(draw: st.DrawFn) -> Progress:
     versions = draw(count_lists)
     same_length = st.lists(counts, min_size=len(versions), max_size=len(versions)).map(tuple)
-    return Progress(step=draw(counts), held_versions=versions, fragment_steps=draw(same_length),
-                    fragment_tokens=draw(same_length), clock=draw(clocks))
+    return Progress(
+        step=draw(counts),
+        held_versions=versions,
+        fragment_steps=draw(same_length),
+        fragment_tokens=draw(same_length),
+        clock=draw(clocks),
+    )
 
 
 @st.composite
@@ -73,17 +83,29 @@ def pushes(draw: st.DrawFn) -> Push:
     codec = draw(st.sampled_from(CodecName))
     count = draw(st.integers(0, 1500))
     size = count * codec.dense_bytes if codec.dense_bytes else draw(st.integers(0, 3000))
-    return Push(fragment=draw(small_counts), round=draw(counts), base_version=draw(counts),
-                steps=draw(counts), tokens=draw(counts), codec=codec,
-                block=draw(st.integers(1, 4096)), element_count=count, clock=draw(clocks),
-                payload=draw(st.binary(min_size=size, max_size=size)))
+    return Push(
+        fragment=draw(small_counts),
+        round=draw(counts),
+        base_version=draw(counts),
+        steps=draw(counts),
+        tokens=draw(counts),
+        codec=codec,
+        block=draw(st.integers(1, 4096)),
+        element_count=count,
+        clock=draw(clocks),
+        payload=draw(st.binary(min_size=size, max_size=size)),
+    )
 
 
 @st.composite
 def inits(draw: st.DrawFn) -> Init:
     values = draw(st.lists(st.floats(width=32), max_size=600))
-    return Init(fragment=draw(small_counts), element_count=len(values), clock=draw(clocks),
-                payload=np.array(values, dtype="<f4"))
+    return Init(
+        fragment=draw(small_counts),
+        element_count=len(values),
+        clock=draw(clocks),
+        payload=np.array(values, dtype="<f4"),
+    )
 
 
 @st.composite
@@ -91,20 +113,31 @@ def updates(draw: st.DrawFn) -> Update:
     codec = draw(st.sampled_from([CodecName.FP32, CodecName.BF16]))
     count = draw(st.integers(0, 1000))
     size = count * codec.dense_bytes
-    return Update(fragment=draw(small_counts), version=draw(counts), codec=codec,
-                  element_count=count, clock=draw(clocks),
-                  payload=draw(st.binary(min_size=size, max_size=size)))
+    return Update(
+        fragment=draw(small_counts),
+        version=draw(counts),
+        codec=codec,
+        element_count=count,
+        clock=draw(clocks),
+        payload=draw(st.binary(min_size=size, max_size=size)),
+    )
 
 
 controls = st.one_of(
-    st.builds(Hello, name=names, layout_digest=digests, shard=counts,
-              resume_learner_id=st.none() | counts, held_versions=count_lists, clock=clocks,
-              tensors_json=st.text(max_size=30)),
+    st.builds(
+        Hello,
+        name=names,
+        layout_digest=digests,
+        shard=counts,
+        resume_learner_id=st.none() | counts,
+        held_versions=count_lists,
+        clock=clocks,
+        tensors_json=st.text(max_size=30),
+    ),
     welcomes(),
     progresses(),
     st.builds(Request, fragment=counts, round=counts, base_version=counts),
-    st.builds(Error, code=st.sampled_from(ErrorCode), text=st.text(max_size=40),
-              fatal=st.booleans()),
+    st.builds(Error, code=st.sampled_from(ErrorCode), text=st.text(max_size=40), fatal=st.booleans()),
     st.builds(Bye, reason=st.text(max_size=40)),
 )
 bulks = st.one_of(pushes(), inits(), updates())
@@ -121,8 +154,7 @@ small_limits = st.builds(
 
 @FAST
 @given(message=messages, limits=small_limits, message_id=st.integers(0, 2**64 - 1))
-def test_every_kind_round_trips_through_small_frames(message: Message, limits: WireLimits,
-                                                     message_id: int) -> None:
+def test_every_kind_round_trips_through_small_frames(message: Message, limits: WireLimits, message_id: int) -> None:
     frames = encode(message, message_id=message_id, limits=limits)
     assert all(len(f) <= limits.frame_bytes_max for f in frames)
     reassembler = Reassembler(limits)
@@ -134,13 +166,12 @@ def test_every_kind_round_trips_through_small_frames(message: Message, limits: W
 
 @FAST
 @given(first=bulks, second=bulks, control=controls, limits=small_limits, data=st.data())
-def test_interleaved_frames_of_three_messages_reassemble(first: Message, second: Message,
-                                                          control: Message, limits: WireLimits,
-                                                          data: st.DataObject) -> None:
+def test_interleaved_frames_of_three_messages_reassemble(
+    first: Message, second: Message, control: Message, limits: WireLimits, data: st.DataObject
+) -> None:
     # a control message longer than a frame is in flight too: room for all three
     limits = dataclasses.replace(limits, messages_in_flight_max=3)
-    queues = [encode(m, message_id=i, limits=limits)
-              for i, m in enumerate([first, second, control])]
+    queues = [encode(m, message_id=i, limits=limits) for i, m in enumerate([first, second, control])]
     expected_by_id = {0: first, 1: second, 2: control}
     reassembler = Reassembler(limits)
     done = []
@@ -176,16 +207,14 @@ def test_random_bytes_raise_wire_error(junk: bytes) -> None:
         try:
             reassembler.feed(frame)
         except WireError as error:
-            assert error.code in {ErrorCode.BAD_FRAME, ErrorCode.CHECKSUM,
-                                  ErrorCode.PROTOCOL_VERSION}
+            assert error.code in {ErrorCode.BAD_FRAME, ErrorCode.CHECKSUM, ErrorCode.PROTOCOL_VERSION}
         else:
             raise AssertionError(f"random frame {frame[:20]!r}... was accepted")
 
 
 @FAST
 @given(message=messages, limits=small_limits, data=st.data())
-def test_truncated_frames_raise_wire_error(message: Message, limits: WireLimits,
-                                           data: st.DataObject) -> None:
+def test_truncated_frames_raise_wire_error(message: Message, limits: WireLimits, data: st.DataObject) -> None:
     frames = _valid_frames(message, limits)
     which = data.draw(st.integers(0, len(frames) - 1))
     cut = data.draw(st.integers(0, len(frames[which]) - 1))
@@ -201,13 +230,11 @@ def test_truncated_frames_raise_wire_error(message: Message, limits: WireLimits,
 
 @FAST
 @given(message=messages, limits=small_limits, data=st.data())
-def test_bit_flips_never_yield_a_corrupted_message(message: Message, limits: WireLimits,
-                                                   data: st.DataObject) -> None:
+def test_bit_flips_never_yield_a_corrupted_message(message: Message, limits: WireLimits, data: st.DataObject) -> None:
     frames = _valid_frames(message, limits)
     which = data.draw(st.integers(0, len(frames) - 1))
     corrupt = bytearray(frames[which])
-    flips = data.draw(st.lists(st.integers(0, 8 * len(corrupt) - 1), min_size=1, max_size=3,
-                               unique=True))
+    flips = data.draw(st.lists(st.integers(0, 8 * len(corrupt) - 1), min_size=1, max_size=3, unique=True))
     for bit in flips:
         corrupt[bit // 8] ^= 1 << (bit % 8)
     frames[which] = bytes(corrupt)
@@ -224,10 +251,18 @@ def test_bit_flips_never_yield_a_corrupted_message(message: Message, limits: Wir
 DOC_HEADER = struct.Struct("<4sBBHQIIQQII")
 
 
-def _sealed(kind: int, message_id: int, index: int, count: int, offset: int, payload_bytes: int,
-            meta_bytes: int, data: bytes, flags: int = 0) -> bytes:
-    head = DOC_HEADER.pack(b"DDLC", 1, kind, flags, message_id, index, count, offset,
-                           payload_bytes, meta_bytes, 0)[:44]
+def _sealed(
+    kind: int,
+    message_id: int,
+    index: int,
+    count: int,
+    offset: int,
+    payload_bytes: int,
+    meta_bytes: int,
+    data: bytes,
+    flags: int = 0,
+) -> bytes:
+    head = DOC_HEADER.pack(b"DDLC", 1, kind, flags, message_id, index, count, offset, payload_bytes, meta_bytes, 0)[:44]
     return head + struct.pack("<I", zlib.crc32(data, zlib.crc32(head))) + data
 
 
@@ -248,10 +283,8 @@ sealed_frames = st.builds(
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
-    | st.text(max_size=6),
-    lambda inner: st.lists(inner, max_size=3)
-    | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
 
@@ -275,10 +308,18 @@ def nearly_valid_frames(draw: st.DrawFn) -> bytes:
     payload = bytes(message.payload) if message.KIND in BULK_KINDS else b""
     payload = payload[: draw(st.integers(0, len(payload)))] if draw(st.booleans()) else payload
     data = meta + payload
-    header = {"kind": message.KIND, "message_id": draw(st.integers(0, 3)), "index": 0, "count": 1,
-              "offset": 0, "payload_bytes": len(payload), "meta_bytes": len(meta)}
-    wrong = draw(st.sampled_from([None, None, None, "kind", "index", "count", "offset",
-                                  "payload_bytes", "meta_bytes", "data"]))
+    header = {
+        "kind": message.KIND,
+        "message_id": draw(st.integers(0, 3)),
+        "index": 0,
+        "count": 1,
+        "offset": 0,
+        "payload_bytes": len(payload),
+        "meta_bytes": len(meta),
+    }
+    wrong = draw(
+        st.sampled_from([None, None, None, "kind", "index", "count", "offset", "payload_bytes", "meta_bytes", "data"])
+    )
     if wrong == "data":
         data = data[: draw(st.integers(0, len(data)))]
     elif wrong is not None:
@@ -289,8 +330,7 @@ def nearly_valid_frames(draw: st.DrawFn) -> bytes:
 @settings(max_examples=400, deadline=None)
 @given(frames=st.lists(sealed_frames | nearly_valid_frames(), min_size=1, max_size=4))
 def test_frames_with_valid_checksums_and_any_fields_fail_cleanly(frames: list[bytes]) -> None:
-    limits = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=1 << 16,
-                        message_bytes_max=1 << 16)
+    limits = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=1 << 16, message_bytes_max=1 << 16)
     reassembler = Reassembler(limits)
     for frame in frames:
         try:
@@ -307,10 +347,8 @@ def test_frames_with_valid_checksums_and_any_fields_fail_cleanly(frames: list[by
 
 @FAST
 @given(payload_bytes=st.integers(4097, 2**64 - 1), count=st.integers(1, 2**32 - 1))
-def test_huge_declared_lengths_are_refused_before_allocating(payload_bytes: int,
-                                                             count: int) -> None:
-    limits = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=2048,
-                        message_bytes_max=4096)
+def test_huge_declared_lengths_are_refused_before_allocating(payload_bytes: int, count: int) -> None:
+    limits = WireLimits(control_bytes_max=CONTROL_BYTES, frame_bytes_max=2048, message_bytes_max=4096)
     meta = b'{"fragment":0}'
     frame = _sealed(Kind.INIT, 1, 0, count, 0, payload_bytes, len(meta), meta + b"x" * 100)
     reassembler = Reassembler(limits)
@@ -324,24 +362,32 @@ def test_huge_declared_lengths_are_refused_before_allocating(payload_bytes: int,
 
 
 HEADER_FIELDS = {  # name: (offset, struct format) from docs/protocol.md
-    "kind": (5, "<B"), "message_id": (8, "<Q"), "chunk_index": (16, "<I"),
-    "chunk_count": (20, "<I"), "chunk_offset": (24, "<Q"), "payload_bytes": (32, "<Q"),
+    "kind": (5, "<B"),
+    "message_id": (8, "<Q"),
+    "chunk_index": (16, "<I"),
+    "chunk_count": (20, "<I"),
+    "chunk_offset": (24, "<Q"),
+    "payload_bytes": (32, "<Q"),
     "meta_bytes": (40, "<I"),
 }
 
 
 @settings(max_examples=150, deadline=None)
 @given(message=messages, limits=small_limits, data=st.data())
-def test_resealed_header_changes_never_yield_a_wrong_message(message: Message, limits: WireLimits,
-                                                            data: st.DataObject) -> None:
+def test_resealed_header_changes_never_yield_a_wrong_message(
+    message: Message, limits: WireLimits, data: st.DataObject
+) -> None:
     frames = _valid_frames(message, limits)
     which = data.draw(st.integers(0, len(frames) - 1))
     name = data.draw(st.sampled_from(sorted(HEADER_FIELDS)))
     offset, fmt = HEADER_FIELDS[name]
     original = struct.unpack_from(fmt, frames[which], offset)[0]
     bits = 8 * struct.calcsize(fmt)
-    value = data.draw(st.sampled_from([original + 1, original - 1, 0, 2**bits - 1])
-                      .filter(lambda v: 0 <= v < 2**bits and v != original))
+    value = data.draw(
+        st.sampled_from([original + 1, original - 1, 0, 2**bits - 1]).filter(
+            lambda v: 0 <= v < 2**bits and v != original
+        )
+    )
     frame = bytearray(frames[which])
     struct.pack_into(fmt, frame, offset, value)
     struct.pack_into("<I", frame, 44, zlib.crc32(frame[48:], zlib.crc32(frame[:44])))

@@ -3,8 +3,9 @@ import math
 import jax
 import numpy as np
 import pytest
-from ddiloco.reference import data, model
+
 from ddiloco.learner.tree import tensor_specs
+from ddiloco.reference import data, model
 
 
 def count(params):
@@ -34,10 +35,16 @@ def test_training_on_shakespeare_lowers_held_out_loss(experts, tmp_path):
     # The scorer sees what the model learned: a true line of verse against byte noise of the same length.
     noise = np.random.default_rng(1)
     items = [
-        data.ChoiceItem(it.context, tuple(
-            it.options[it.answer] if k == it.answer else bytes(noise.integers(33, 127, len(it.options[it.answer]) - 1).astype(np.uint8)) + b"\n"
-            for k in range(4)
-        ), it.answer)
+        data.ChoiceItem(
+            it.context,
+            tuple(
+                it.options[it.answer]
+                if k == it.answer
+                else bytes(noise.integers(33, 127, len(it.options[it.answer]) - 1).astype(np.uint8)) + b"\n"
+                for k in range(4)
+            ),
+            it.answer,
+        )
         for it in data.choice_items(16, cfg.seq, seed=2)
     ]
     for ranking in ("sum", "per_byte"):

@@ -45,7 +45,9 @@ def test_more_learners_than_slices_is_refused_before_running():
 
     cluster = sim.ClusterConfig(chips=4096, slice_chips=1024)
     with pytest.raises(sim.SimConfigError, match="need at least 8 slices"):
-        sim.simulate(cluster, sim.SystemConfig.of("decoupled", 8), sim.Timings(), sim.RunConfig(1), np.random.default_rng(0))
+        sim.simulate(
+            cluster, sim.SystemConfig.of("decoupled", 8), sim.Timings(), sim.RunConfig(1), np.random.default_rng(0)
+        )
 
 
 def test_a_run_with_too_many_failures_is_refused_before_drawing():

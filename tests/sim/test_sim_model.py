@@ -31,7 +31,9 @@ def test_grid_cells_do_not_depend_on_which_cells_run_with_them():
     assert [c for c in two if c.chips == 3e5] == one
 
 
-@pytest.mark.parametrize("system", [sim.SystemConfig.of("dp"), sim.SystemConfig.of("elastic-dp"), sim.SystemConfig.of("decoupled", 8)])
+@pytest.mark.parametrize(
+    "system", [sim.SystemConfig.of("dp"), sim.SystemConfig.of("elastic-dp"), sim.SystemConfig.of("decoupled", 8)]
+)
 def test_no_failures_gives_full_goodput_and_uptime(system):
     result = _run(system, mtbi=math.inf)
     assert result.failures == 0
@@ -42,7 +44,9 @@ def test_no_failures_gives_full_goodput_and_uptime(system):
 
 def test_one_learner_decoupled_is_elastic_dp():
     for seed in (0, 1):
-        assert _run(sim.SystemConfig.of("decoupled", 1), seed=seed) == _run(sim.SystemConfig.of("elastic-dp"), seed=seed)
+        assert _run(sim.SystemConfig.of("decoupled", 1), seed=seed) == _run(
+            sim.SystemConfig.of("elastic-dp"), seed=seed
+        )
 
 
 def test_goodput_falls_with_cluster_size_and_rises_with_learners():
@@ -74,8 +78,15 @@ def test_elastic_without_pauses_keeps_the_slice_availability():
     slice_chips, mtbi_years, repair_mean = 4096, 0.01, 600.0
     timings = sim.Timings(restart_s=0.0, scale_down_s=0.0, scale_up_s=0.0, join_wait_s=0.0)
     repair = sim.RepairTime(sim.RepairKind.EXPONENTIAL, repair_mean)
-    result = _run(sim.SystemConfig.of("elastic-dp"), chips=4096 * 64, days=10.0, timings=timings,
-                  repair=repair, slice_chips=slice_chips, mtbi=mtbi_years)
+    result = _run(
+        sim.SystemConfig.of("elastic-dp"),
+        chips=4096 * 64,
+        days=10.0,
+        timings=timings,
+        repair=repair,
+        slice_chips=slice_chips,
+        mtbi=mtbi_years,
+    )
     rho = slice_chips * repair_mean / (mtbi_years * YEAR_S)
     assert rho > 0.5  # the check means something only if many slices are out at once
     assert result.goodput == pytest.approx(1.0 / (1.0 + rho), abs=0.01)
@@ -103,8 +114,22 @@ def test_compiled_loop_matches_its_python_source():
     slices = slices_per_learner(cluster.slices, 4)
     stream = draw_failures(cluster, slices, 86400.0, np.random.default_rng(2))
     speed = np.array([1.0, 0.9, 1.1, 0.8])
-    args = (stream.times_s, stream.learner, stream.pick, stream.repair_s, slices, speed,
-            cluster.chips / cluster.slices, True, 2, 60.0, 20.0, 15.0, 120.0, 86400.0)
+    args = (
+        stream.times_s,
+        stream.learner,
+        stream.pick,
+        stream.repair_s,
+        slices,
+        speed,
+        cluster.chips / cluster.slices,
+        True,
+        2,
+        60.0,
+        20.0,
+        15.0,
+        120.0,
+        86400.0,
+    )
     assert len(stream) > 500
     np.testing.assert_allclose(engine.run_events(*args), engine.run_events.py_func(*args), rtol=1e-12)
 
@@ -132,8 +157,14 @@ def test_repair_distributions_have_the_requested_mean(kind):
 
 
 def test_calibration_search_returns_the_minimax_candidate():
-    space = sim.SearchSpace(restart_s=(40.0, 76.0), slice_chips=(1024,), repair_mean_s=(300.0,),
-                            scale_down_s=(5.0, 20.0), scale_up_s=(15.0,), join_wait_s=(120.0,))
+    space = sim.SearchSpace(
+        restart_s=(40.0, 76.0),
+        slice_chips=(1024,),
+        repair_mean_s=(300.0,),
+        scale_down_s=(5.0, 20.0),
+        scale_up_s=(15.0,),
+        join_wait_s=(120.0,),
+    )
     best, candidates = sim.search(space, seeds=[0], days=0.5)
     assert len(candidates) == 2
     assert candidates[0].error_max <= candidates[1].error_max
