@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ddiloco.kernels import _checks
+from ddiloco.kernels._nesterov import _nesterov_serial
 from ddiloco.kernels._parallelism import CHUNK_ELEMENTS, thread_bounds, tile_elements, typed_list
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
@@ -66,13 +67,7 @@ def _round_mean_range(theta, buf, weights, xs, lo, hi, step, lr, mu, tile):
             for i in range(t1 - t0):
                 gt[i] += w * x[i]
         if step:
-            th = theta[t0:t1]
-            bf = buf[t0:t1]
-            for i in range(t1 - t0):  # the outer step, exactly as kernels._nesterov
-                gi = gt[i]
-                b = mu * bf[i] + gi
-                bf[i] = b
-                th[i] -= lr * (gi + mu * b)
+            _nesterov_serial(theta[t0:t1], buf[t0:t1], gt, lr, mu)  # the outer step, the one loop of it
         else:
             theta[t0:t1] = gt
 

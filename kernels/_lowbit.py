@@ -43,6 +43,7 @@ from numba import njit, prange
 
 from ddiloco.kernels import _checks
 from ddiloco.kernels._errors import KernelInputError
+from ddiloco.kernels._nesterov import _nesterov_serial
 from ddiloco.kernels._parallelism import thread_bounds, tile_elements, typed_list
 
 INT4_CODE_MAX = 7
@@ -390,13 +391,7 @@ def _round_mean_tiles(theta, buf, weights, codes, scales, block, cb, lo, hi, ste
         for m in range(weights.size):
             _add_blocks(gt, weights[m], codes[m][k0 * cb : k1 * cb], scales[m][k0:k1], block, cb, add)
         if step:
-            th = theta[t0:t1]
-            bf = buf[t0:t1]
-            for i in range(t1 - t0):  # the outer step, exactly as kernels._nesterov
-                gi = gt[i]
-                b = mu * bf[i] + gi
-                bf[i] = b
-                th[i] -= lr * (gi + mu * b)
+            _nesterov_serial(theta[t0:t1], buf[t0:t1], gt, lr, mu)  # the outer step, the one loop of it
         else:
             theta[t0:t1] = gt
 
