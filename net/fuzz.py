@@ -241,12 +241,19 @@ async def _epoch(
                 peer = hostile[int(rng.integers(len(hostile)))]
                 try:
                     batch.append(await peer.fuzz_once(rng))
-                except aiohttp.ClientConnectorError as exc:
-                    # A daemon whose core failed stops listening (net.server): a death, not a harness error.
+                except (aiohttp.ClientConnectorError, aiohttp.WSServerHandshakeError) as exc:
+                    # A daemon whose core failed refuses new sessions with 503, then stops listening
+                    # (net.server): a death, not a harness error. Any other refusal is the harness's bug.
+                    if isinstance(exc, aiohttp.WSServerHandshakeError) and exc.status != 503:
+                        raise
                     watch.core_dead = True
+                    how = (
+                        "refuses new sessions (503)"
+                        if isinstance(exc, aiohttp.WSServerHandshakeError)
+                        else "stopped listening"
+                    )
                     report.failures.append(
-                        f"batch {report.batches + 1}: the daemon stopped listening ({exc}); "
-                        f"sent: {', '.join(batch[-20:])}"
+                        f"batch {report.batches + 1}: the daemon {how} ({exc}); sent: {', '.join(batch[-20:])}"
                     )
                     report.failures += [f"batch {report.batches + 1}: {record}" for record in errors.records]
                     break

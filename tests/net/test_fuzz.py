@@ -54,6 +54,7 @@ def test_a_core_that_dies_is_counted_and_fails_the_run(monkeypatch, capsys, tmp_
     assert "core deaths: 0" not in out
     assert (
         "FAILED: batch 1: core died: /healthz answers 503" in out
+        or "FAILED: batch 1: the daemon refuses new sessions (503)" in out
         or "FAILED: batch 1: the daemon stopped listening" in out
     )
     assert out.rstrip().endswith("FAILED")

@@ -1,9 +1,11 @@
 """Checkpoint files: the newest is the one written last, every failure is surfaced, no run eats another."""
 
-import multiprocessing
 import os
+import select
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -200,32 +202,49 @@ def test_checkpoints_from_before_runs_are_read_and_adopted_on_resume(tmp_path):
     assert legacy.exists() and store.newest_valid(tmp_path)[1] == written.path
 
 
-def _write_then_hang_in_the_rename(directory: str, ready) -> None:
-    """In a child: one good checkpoint, then a second that stops between its fsync and its rename."""
-    ck = store.CheckpointStore.open(directory, "aaaaaaaaaaaaaaaa")
-    ck.write(small_state())
+# The child is a script, not a function of this module: under --import-mode=importlib a spawned
+# process cannot import a test module by name.
+_WRITE_THEN_HANG_IN_THE_RENAME = """
+import signal, sys
+import numpy as np
+from ddiloco.core import syncer
+from ddiloco.core.config import SyncerConfig
+from ddiloco.core.layout import TensorSpec, build_layout
+from ddiloco.net import files, store
 
-    def hang(src, dst):
-        ready.set()
-        signal.pause()  # killed here, the new bytes durable under the temporary name only
+def small_state(seed):
+    layout = build_layout([TensorSpec("w", (4, 8)), TensorSpec("b", (8,))], 2)
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(f.padded_size).astype(np.float32) for f in layout.fragments]
+    return syncer.new_state(SyncerConfig(num_fragments=2, period=2, quorum=1), layout, params)
 
-    files.os.replace = hang  # fault injection in the child only
-    state = small_state(seed=1)
-    state.merges = 5
-    ck.write(state)
+ck = store.CheckpointStore.open(sys.argv[1], "aaaaaaaaaaaaaaaa")
+ck.write(small_state(0))
+
+def hang(src, dst):
+    print("in the rename", flush=True)
+    signal.pause()  # killed here, the new bytes durable under the temporary name only
+
+files.os.replace = hang  # fault injection in the child only
+state = small_state(1)
+state.merges = 5
+ck.write(state)
+"""
 
 
 def test_a_kill_in_the_middle_of_a_write_leaves_the_last_good_checkpoint(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()
-    child = ctx.Process(target=_write_then_hang_in_the_rename, args=(str(tmp_path), ready))
-    child.start()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITE_THEN_HANG_IN_THE_RENAME, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
-        assert ready.wait(120), "the child never reached the rename"
+        ready = select.select([child.stdout], [], [], 120)[0]
+        assert ready and child.stdout.readline() == "in the rename\n", "the child never reached the rename"
         os.kill(child.pid, signal.SIGKILL)
     finally:
-        child.join(30)
-    assert child.exitcode == -signal.SIGKILL
+        child.kill()
+        child.wait(30)
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
     stray = [p.name for p in tmp_path.iterdir() if files.TEMPORARY_MARK in p.name]
     assert len(stray) == 1 and (tmp_path / stray[0]).stat().st_size > 0
     state, path = store.newest_valid(tmp_path)
