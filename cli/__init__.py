@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -95,6 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FaultError as exc:
         print(f"ddiloco {args.command}: fault: {exc}; {exc.what_to_do}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # Whoever read our output stopped (`ddiloco status | head`): nothing of ours failed. Point stdout
+        # at /dev/null so the interpreter's last flush at exit does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 to do (exit 1), anything else, a plain ValueError included, with its traceback (a bug)."""
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,14 @@ def test_a_library_configuration_error_from_a_flag_is_a_user_error(capsys):
     assert main(["learner", "--syncer", "http://127.0.0.1:1/ws", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "ddiloco learner: error: syncer URL must start with ws:// or wss://" in err and "Traceback" not in err
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    # `ddiloco simulate ... | head -1`: the pipe closes after the first line of a long table
+    command = [sys.executable, "-m", "ddiloco.cli", "simulate", "--table", "paper", "--seeds", "1", "--days", "1"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = child.stdout.readline()
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(120) == 0, err
+    assert first.startswith(b"config:") and "Traceback" not in err and "BrokenPipe" not in err
