@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from ddiloco.errors import DdilocoError, FaultError, UserError
+from ddiloco.errors import DdilocoError, UserError, one_line
 
 # name -> (module, one-line help). Order is the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -90,12 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
-    except UserError as exc:
-        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except FaultError as exc:
-        print(f"ddiloco {args.command}: fault: {exc}; {exc.what_to_do}", file=sys.stderr)
-        return 1
+    except DdilocoError as exc:
+        status, line = one_line(f"ddiloco {args.command}", exc)
+        print(line, file=sys.stderr)
+        return status
     except BrokenPipeError:
         # Whoever read our output stopped (`ddiloco status | head`): nothing of ours failed. Point stdout
         # at /dev/null so the interpreter's last flush at exit does not raise the same error again.

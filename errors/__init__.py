@@ -16,7 +16,11 @@ This package is the bottom layer: it imports nothing of ddiloco.
 
 from __future__ import annotations
 
-__all__ = ["DdilocoError", "FaultError", "UserError"]
+import contextlib
+import sys
+from collections.abc import Iterator
+
+__all__ = ["DdilocoError", "FaultError", "UserError", "one_line", "reported_as_exit"]
 
 
 class DdilocoError(Exception):
@@ -39,3 +43,22 @@ class FaultError(DdilocoError):
         super().__init__(*args)
         if what_to_do is not None:
             self.what_to_do = what_to_do
+
+
+def one_line(prog: str, exc: DdilocoError) -> tuple[int, str]:
+    """(exit status, the line shown) for an error of ours: 2 for a UserError, 1 for a FaultError."""
+    if isinstance(exc, FaultError):
+        return 1, f"{prog}: fault: {exc}; {exc.what_to_do}"
+    return 2, f"{prog}: error: {exc}"
+
+
+@contextlib.contextmanager
+def reported_as_exit(prog: str) -> Iterator[None]:
+    """For a program's `main`: an error of ours ends it with its one line on stderr and its exit status
+    (`one_line`); anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except DdilocoError as exc:
+        status, line = one_line(prog, exc)
+        print(line, file=sys.stderr)
+        raise SystemExit(status) from None

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ddiloco.errors import reported_as_exit
 from ddiloco.learner.params_file import export, load_params
 from ddiloco.learner.sync import DilocoSync, SyncConfig
 from ddiloco.net.control import request_checkpoint
@@ -85,4 +86,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with reported_as_exit(Path(__file__).name):  # a refusal or a fault: one line, not a traceback
+        main()

@@ -108,3 +108,16 @@ def test_each_example_is_short_and_uses_only_the_hook_the_docs_show():
             path.name
         )
     assert {p.name for p in EXAMPLES.glob("*.py")} == {"flax_linen.py", "flax_nnx.py", "equinox_mlp.py"}
+
+
+def test_an_example_refused_by_the_syncer_says_why_in_one_line(syncer, tmp_path):
+    url, _, _ = syncer
+    wrong = write_token_file(tmp_path / "wrong", "wrong-" + "0123456789abcdef" + "fedcba9876543210")
+    got = subprocess.run(
+        [sys.executable, str(EXAMPLES / "flax_linen.py"), "--url", url, "--token-file", str(wrong), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=RUN_S_MAX,
+    )
+    assert got.returncode == 2, got.stderr
+    assert "Traceback" not in got.stderr and got.stderr.strip().splitlines()[-1].startswith("flax_linen.py: error: ")
