@@ -35,10 +35,12 @@ broadcast out, M copies).
 The comparison, in the same run where torch is importable: M processes in a gloo process group on
 127.0.0.1, one thread each (`torch.set_num_threads(1)`), each holding the parameters and an
 N-float32 gradient; one sync is `all_reduce` (sum) of the gradient, its division by M and one step
-of `torch.optim.SGD(momentum=0.9, nesterov=True)`, timed from the first rank leaving a barrier to
-the last rank done. It is given less to do than ddiloco's sync: its gradient is made before the
+of `torch.optim.SGD(momentum=0.9, nesterov=True)`, timed from the first rank leaving a gloo barrier
+to the last rank done. It is given less to do than ddiloco's sync: its gradient is made before the
 clock starts (ddiloco's encode computes base - theta inside the timed part) and no parameter copy
-follows the step. `speedup_vs_gloo = gloo_median_s / ddiloco_median_s`.
+follows the step. Both sides' processes live through the whole run and their syncs take turns (the
+side not syncing waits at a barrier, using no CPU), so that the drift of a shared machine's speed
+falls on both alike. `speedup_vs_gloo = gloo_median_s / ddiloco_median_s`.
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def _wait_for(what: str, ready, client) -> Any:
 
 def _learner_main(args: _LearnerArgs, barrier, out) -> None:
     """One learner: join, hold version 0, then `args.syncs` outer syncs, meeting the others and the
-    syncer's process at `barrier` before each; puts its timestamps and final state on `out`."""
+    parent at `barrier` before each (go) and after it (done); puts its timestamps and final state on
+    `out`."""
     try:
         out.put(_learner_syncs(args, barrier))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it; the process ends anyway
@@ -203,7 +206,7 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
         client.progress(session.ProgressInfo(0, (version,), (0,), (0,)))  # live: the syncer counts it in
         samples = []
         for step in range(1, args.syncs + 1):
-            barrier.wait(PHASE_S_MAX)  # the parent has seen every learner live, or read the last sync's counters
+            barrier.wait(PHASE_S_MAX)  # go: every learner is live, and the gloo ranks are idle
             np.subtract(base, drift, out=params)  # the stand-in for training since the version held
             client.progress(session.ProgressInfo(step, (version,), (PUSH_STEPS,), (PUSH_TOKENS,)))
             request = _wait_for("the syncer's request", lambda t: t[0][0] if t[0] else None, client)
@@ -230,6 +233,7 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             np.copyto(params, values)
             base, version = values, update.version
             t_applied = time.monotonic()
+            barrier.wait(PHASE_S_MAX)  # done: the parent reads the syncer's counters
             samples.append(
                 {
                     "request": t_request,
@@ -239,7 +243,6 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
                     "push_bytes": len(payload),
                 }
             )
-        barrier.wait(PHASE_S_MAX)  # the parent reads the last sync's counters
         return {
             "name": args.name,
             "learner": welcome.learner,
@@ -251,10 +254,13 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
         client.close()
 
 
-# ---- ddiloco: the syncer, in this process -------------------------------------------------------------
+# ---- the syncer in this process, and both sides' syncs in turn -------------------------------------------
 
 
-def _run_ddiloco(config: SyncBenchConfig) -> dict:
+def _run_both(config: SyncBenchConfig, with_gloo: bool) -> dict:
+    """Both sides' processes alive at once; their syncs take turns (ddiloco first on even syncs, gloo
+    first on odd ones), so that a change in this machine's load falls on both alike. The side that
+    is not syncing waits at its barrier, which takes no CPU."""
     from ddiloco import kernels
     from ddiloco.core import syncer
     from ddiloco.core.config import SyncerConfig
@@ -275,64 +281,97 @@ def _run_ddiloco(config: SyncBenchConfig) -> dict:
     )
     syncs = config.warmup + config.repeat
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(config.learners + 1)
-    out = ctx.Queue()
+    learner_barrier, learner_out = ctx.Barrier(config.learners + 1), ctx.Queue()
+    gloo_barrier, gloo_out = ctx.Barrier(config.learners + 1), ctx.Queue()
 
-    async def main() -> dict:
+    async def main(rendezvous: str) -> dict:
         server = SyncerServer(syncer.new_state(core_config), ServerConfig(port=0, auth_token=TOKEN))
         port = await server.start()
         url = f"ws://127.0.0.1:{port}/ws"
         procs = [
             ctx.Process(
                 target=_learner_main,
-                args=(_LearnerArgs(url, f"sync{i}", config.params, config.codec, syncs, config.seed + i), barrier, out),
+                args=(
+                    _LearnerArgs(url, f"sync{i}", config.params, config.codec, syncs, config.seed + i),
+                    learner_barrier,
+                    learner_out,
+                ),
                 daemon=True,
             )
             for i in range(config.learners)
         ]
+        if with_gloo:
+            procs += [
+                ctx.Process(
+                    target=_gloo_worker,
+                    args=(rank, config.learners, rendezvous, config.params, syncs, config.seed, gloo_barrier, gloo_out),
+                    daemon=True,
+                )
+                for rank in range(config.learners)
+            ]
         for p in procs:
             p.start()
         loop = asyncio.get_running_loop()
+        meet = lambda barrier: loop.run_in_executor(None, _meet, barrier)
+        syncer_samples = []
+
+        async def ddiloco_sync() -> None:
+            before = _syncer_counters(server)
+            await meet(learner_barrier)  # go
+            await meet(learner_barrier)  # done: every learner holds the new version
+            # The syncer sent the update only after the core step that merged had completed
+            # (net.sessions posts what a step sends), so that step's counters are all written by now.
+            now = _syncer_counters(server)
+            if now["merges"] != before["merges"] + 1 or now["outcome"] != "merged":
+                raise SyncBenchError(f"expected one merge per sync, the syncer's counters went {before} -> {now}")
+            syncer_samples.append(
+                {key: now[key] - before[key] for key in ("merge_s", "bytes_in", "bytes_out")}
+                | {"merge_started_at": now["decided_at"]}
+            )
+
+        async def gloo_sync() -> None:
+            await meet(gloo_barrier)  # go
+            await meet(gloo_barrier)  # done
+
         try:
             deadline = time.monotonic() + START_S_MAX
             while len(server.state.live()) < config.learners:
                 if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
                     raise SyncBenchError(
                         f"{len(server.state.live())} of {config.learners} learners live after start-up"
-                        + _learner_errors(out)
+                        + _errors(learner_out, gloo_out)
                     )
                 await asyncio.sleep(0.01)
-            await loop.run_in_executor(None, _meet, barrier)  # every learner is live: the syncs start
-            syncer_samples, before = [], _syncer_counters(server)
-            for _ in range(syncs):
-                # Each meeting follows a sync that every learner holds. The syncer sent the update only
-                # after the core step that merged had completed (net.sessions posts what a step sends),
-                # so that step's counters are all written by now.
-                await loop.run_in_executor(None, _meet, barrier)
-                now = _syncer_counters(server)
-                if now["merges"] != before["merges"] + 1 or now["outcome"] != "merged":
-                    raise SyncBenchError(f"expected one merge per sync, the syncer's counters went {before} -> {now}")
-                syncer_samples.append(
-                    {key: now[key] - before[key] for key in ("merge_s", "bytes_in", "bytes_out")}
-                    | {"merge_started_at": now["decided_at"]}
-                )
-                before = now
-            learners = [out.get(timeout=PHASE_S_MAX) for _ in procs]
+            for k in range(syncs):
+                sides = [ddiloco_sync, gloo_sync] if with_gloo else [ddiloco_sync]
+                for side in sides if k % 2 == 0 else sides[::-1]:
+                    await side()
+            learners = [learner_out.get(timeout=PHASE_S_MAX) for _ in range(config.learners)]
+            ranks = [gloo_out.get(timeout=PHASE_S_MAX) for _ in range(config.learners)] if with_gloo else []
         except threading.BrokenBarrierError:
-            raise SyncBenchError("a learner stopped before the syncs were done" + _learner_errors(out)) from None
+            raise SyncBenchError(
+                "a process stopped before the syncs were done" + _errors(learner_out, gloo_out)
+            ) from None
         finally:
-            barrier.abort()
+            learner_barrier.abort()
+            gloo_barrier.abort()
             for p in procs:
                 p.join(10)
                 if p.is_alive():
                     p.kill()
             await server.stop(checkpoint=False)
-        failed = [r for r in learners if "error" in r]
+        failed = [f"{r['name']}: {r['error']}" for r in learners + ranks if "error" in r]
         if failed:
-            raise SyncBenchError("learner failed: " + "; ".join(f"{r['name']}: {r['error']}" for r in failed))
-        return {"learners": learners, "syncer": syncer_samples, "rejected": dict(server.state.rejections)}
+            raise SyncBenchError("failed: " + "; ".join(failed))
+        return {
+            "learners": learners,
+            "syncer": syncer_samples,
+            "rejected": dict(server.state.rejections),
+            "gloo": _gloo_summary(ranks, config.warmup) if with_gloo else None,
+        }
 
-    return asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="ddiloco-bench-sync-") as work:
+        return asyncio.run(main(str(Path(work) / "gloo-rendezvous")))
 
 
 def _meet(barrier) -> None:
@@ -353,12 +392,14 @@ def _syncer_counters(server) -> dict:
     }
 
 
-def _learner_errors(out) -> str:
+def _errors(*queues) -> str:
+    """The errors the processes reported before one of them broke a barrier."""
     errors = []
-    while not out.empty():
-        r = out.get_nowait()
-        if "error" in r:
-            errors.append(f"{r['name']}: {r['error']}")
+    for out in queues:
+        while not out.empty():
+            r = out.get_nowait()
+            if "error" in r:
+                errors.append(f"{r['name']}: {r['error']}")
     return "; " + "; ".join(errors) if errors else ""
 
 
@@ -390,15 +431,17 @@ def _sync_breakdowns(raw: dict, warmup: int) -> list[dict]:
 # ---- the comparison: torch.distributed gloo -----------------------------------------------------------
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, params: int, syncs: int, seed: int, out) -> None:
-    """One rank: `syncs` times all_reduce + SGD(nesterov) step, each timed from leaving a barrier."""
+def _gloo_worker(rank: int, world: int, rendezvous: str, params: int, syncs: int, seed: int, barrier, out) -> None:
+    """One rank: `syncs` times all_reduce + SGD(nesterov) step, each timed from leaving a gloo barrier,
+    between a go and a done meeting with the parent at `barrier`."""
+    name = f"gloo rank {rank}"
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the loopback interface: 127.0.0.1
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
         try:
             generator = torch.Generator().manual_seed(seed + rank)
             theta = torch.nn.Parameter(torch.zeros(params))
@@ -407,51 +450,28 @@ def _gloo_worker(rank: int, world: int, init_file: str, params: int, syncs: int,
             times = []
             for _ in range(syncs):
                 theta.grad = gradient.clone()  # this rank's outer gradient, made before the clock starts
+                barrier.wait(PHASE_S_MAX)  # go
                 dist.barrier()
                 started = time.monotonic()
                 dist.all_reduce(theta.grad)
                 theta.grad.div_(world)
                 step.step()
                 times.append((started, time.monotonic()))
+                barrier.wait(PHASE_S_MAX)  # done
             digest = hashlib.sha256(theta.detach().numpy().tobytes()).hexdigest()
         finally:
             dist.destroy_process_group()
-        out.put({"rank": rank, "times": times, "params_sha256": digest})
+        out.put({"name": name, "times": times, "params_sha256": digest})
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
-        out.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        barrier.abort()
+        out.put({"name": name, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def _run_gloo(config: SyncBenchConfig) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    syncs = config.warmup + config.repeat
-    with tempfile.TemporaryDirectory(prefix="ddiloco-bench-gloo-") as work:
-        init_file = str(Path(work) / "rendezvous")
-        procs = [
-            ctx.Process(
-                target=_gloo_worker,
-                args=(rank, config.learners, init_file, config.params, syncs, config.seed, out),
-                daemon=True,
-            )
-            for rank in range(config.learners)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            results = [out.get(timeout=START_S_MAX + syncs * PHASE_S_MAX) for _ in procs]
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-    failed = [r for r in results if "error" in r]
-    if failed:
-        raise SyncBenchError("gloo rank failed: " + "; ".join(f"{r['rank']}: {r['error']}" for r in failed))
-    totals = [
-        max(r["times"][k][1] for r in results) - min(r["times"][k][0] for r in results)
-        for k in range(config.warmup, syncs)
-    ]
-    return {"syncs_s": totals, "same_params": len({r["params_sha256"] for r in results}) == 1}
+def _gloo_summary(ranks: list[dict], warmup: int) -> dict:
+    """Per timed sync: first rank leaving the barrier to last rank done."""
+    syncs = len(ranks[0]["times"])
+    totals = [max(r["times"][k][1] for r in ranks) - min(r["times"][k][0] for r in ranks) for k in range(warmup, syncs)]
+    return {"syncs_s": totals, "same_params": len({r["params_sha256"] for r in ranks}) == 1}
 
 
 # ---- both, and the report -----------------------------------------------------------------------------
@@ -460,21 +480,24 @@ def _run_gloo(config: SyncBenchConfig) -> dict:
 def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
     """Time `config.repeat` syncs (after `config.warmup`) each way; the result is JSON-able."""
     say = progress or (lambda text: None)
-    say(f"ddiloco: {config.learners} learner processes and the syncer, {config.warmup + config.repeat} syncs")
-    raw = _run_ddiloco(config)
+    gloo_skipped = None
+    if not config.torch:
+        gloo_skipped = "--no-torch"
+    elif not torch_importable():
+        gloo_skipped = 'torch is not installed (pip install -e ".[bench]")'
+    syncs = config.warmup + config.repeat
+    say(
+        f"{config.learners} learner processes around the syncer"
+        + (f" and {config.learners} gloo ranks, taking turns" if gloo_skipped is None else "")
+        + f": {syncs} syncs each"
+    )
+    raw = _run_both(config, with_gloo=gloo_skipped is None)
     rows = _sync_breakdowns(raw, config.warmup)
     if len(rows) != config.repeat:
         raise SyncBenchError(f"{len(rows)} timed syncs measured on the syncer, {config.repeat} expected")
     totals = [r["total"] for r in rows]
     ddiloco_median = statistics.median(totals)
-    gloo, gloo_skipped = None, None
-    if not config.torch:
-        gloo_skipped = "--no-torch"
-    elif not torch_importable():
-        gloo_skipped = 'torch is not installed (pip install -e ".[bench]")'
-    else:
-        say(f"gloo: {config.learners} processes, all_reduce + SGD(nesterov), {config.warmup + config.repeat} syncs")
-        gloo = _run_gloo(config)
+    gloo = raw["gloo"]
     gloo_median = statistics.median(gloo["syncs_s"]) if gloo else None
     learners = raw["learners"]
     return {
