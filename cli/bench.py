@@ -145,6 +145,46 @@ def _learner_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- sync ----
+
+
+def _sync_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=parse_count, default="50000000", help="model parameters (default 50M = 5e7)")
+    p.add_argument("--learners", type=_positive_int, default=4, help="learner processes, and gloo ranks (default 4)")
+    p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"], help="push codec")
+    p.add_argument("--broadcast-codec", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--merge", default="mean", choices=["mean", "rda"], help="mean: what an all-reduce computes")
+    p.add_argument("--repeat", type=_positive_int, default=7, help="timed syncs each way, median kept (default 7)")
+    p.add_argument("--warmup", type=int, default=2, help="syncs before the timed ones, each way (default 2)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as a JSON object")
+    p.add_argument("--no-torch", action="store_true", help="skip the gloo comparison even if torch is installed")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sync_run(args: argparse.Namespace) -> int:
+    from ddiloco.bench import sync
+
+    with user_input():
+        config = sync.SyncBenchConfig(
+            params=args.params,
+            learners=args.learners,
+            codec=args.codec,
+            broadcast_codec=args.broadcast_codec,
+            merge=args.merge,
+            repeat=args.repeat,
+            warmup=args.warmup,
+            torch=not args.no_torch,
+            seed=args.seed,
+        )
+    print(f"bench sync: {config}", file=sys.stderr)
+    result = sync.run_sync_bench(config, progress=lambda text: print(f"  {text}", file=sys.stderr))
+    print(sync.format_report(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 KINDS: dict[str, BenchKind] = {
     "learner": BenchKind(
         "step time of the reference training loop with the sync hook against without it",
@@ -153,6 +193,9 @@ KINDS: dict[str, BenchKind] = {
     ),
     "syncer": BenchKind(
         "ingest of the real daemon with spawned learner processes over loopback", _syncer_arguments, _syncer_run
+    ),
+    "sync": BenchKind(
+        "one full outer sync (M learners, the real syncer) against a torch gloo all-reduce", _sync_arguments, _sync_run
     ),
     "merge": BenchKind(
         "throughput of the merge kernels against numpy, torch and memory bandwidth", _merge_arguments, _merge_run

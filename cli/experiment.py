@@ -4,8 +4,8 @@
     ddiloco experiment all [--quick] --results docs/results.md      (tables and plots for every experiment)
     ddiloco experiment all --from-json A.json B.json --results docs/results.md   (the page from saved runs)
 
-NAME is one of dp-vs-decoupled, failures, merge, compression, fragments, hetero, scavenge,
-demo-settings, or all.
+NAME is one of dp-vs-decoupled, failures, merge, compression, broadcast, fragments, hetero,
+scavenge, demo-settings, or all.
 Every experiment runs over at least 3 seeds and prints mean and spread per arm. `--results` writes
 the Markdown results page and its PNG plots (in a `results/` folder beside it). The first line
 printed is the resolved size.
@@ -24,7 +24,17 @@ from pathlib import Path
 from ddiloco.cli import user_input
 from ddiloco.errors import UserError
 
-NAMES = ("dp-vs-decoupled", "failures", "merge", "compression", "fragments", "hetero", "scavenge", "demo-settings")
+NAMES = (
+    "dp-vs-decoupled",
+    "failures",
+    "merge",
+    "compression",
+    "broadcast",
+    "fragments",
+    "hetero",
+    "scavenge",
+    "demo-settings",
+)
 SEEDS_MAX = 100
 
 

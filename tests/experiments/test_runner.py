@@ -290,6 +290,15 @@ def _merge_order(arms: dict, steps: int) -> None:
         assert _per_seed(arms, f"mean, M = {m}", "merges") == _per_seed(arms, f"rda, M = {m}", "merges")
 
 
+def _broadcast_order(arms: dict, steps: int) -> None:
+    # an arm for each codec the syncer accepts (int4 once it does), and the codec reaches the learners:
+    # a bf16 broadcast rounds what they train from, so the run differs from the fp32 one in every seed
+    assert list(arms) == [f"broadcast {c}" for c in experiments.broadcast_codecs()]
+    assert {"broadcast fp32", "broadcast bf16"} <= set(arms)
+    fp32, bf16 = _per_seed(arms, "broadcast fp32", "eval_loss"), _per_seed(arms, "broadcast bf16", "eval_loss")
+    assert all(a != b for a, b in zip(fp32, bf16, strict=True))
+
+
 def _hetero_order(arms: dict, steps: int) -> None:
     # K = M: a merge needs every learner, so exactly half of each merge comes from the slow half
     assert _per_seed(arms, "K = M = 4", "slow_share") == [0.5] * 3
@@ -321,6 +330,7 @@ ORDERS = {
     "failures": _failures_order,
     "merge": _merge_order,
     "compression": lambda arms, steps: None,  # at 8 steps the codecs' losses are not yet apart
+    "broadcast": _broadcast_order,
     "hetero": _hetero_order,
     "scavenge": _scavenge_order,
     "demo-settings": _demo_settings_order,
