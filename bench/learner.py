@@ -1,10 +1,14 @@
 """`ddiloco bench learner`: what the sync hook costs a training loop.
 
-The reference training loop (demo/learner_process.py: the byte transformer, inner AdamW, one data shard) runs
-in this process against a real `ddiloco syncer` started as its own process on loopback. The same
-loop, same model and same batches, is timed with `params = sync.step(params, tokens=n)` after every
-inner step and without it, in alternating blocks so that a change in the machine's load falls on
-both alike. Every step is timed until its parameters are ready (`jax.block_until_ready`), so the
+Two loops, each in this process against a real `ddiloco syncer` started as its own process on
+loopback. The reference loop (demo/learner_process.py: the byte transformer, inner AdamW, one data
+shard; `d_model` and `layers` size it). The synthetic loop (`synthetic_step_ms`): no model, an
+N-parameter pytree on JAX's default device that a cheap jitted op perturbs each step, then the step
+waits out the rest of `synthetic_step_ms` (sleeping, as a host does while its accelerator computes,
+or spinning, as a CPU-bound step does): it shows the hook's cost at a model size and step time this
+machine could not train at. The same loop is timed with `params = sync.step(params, tokens=n)` after
+every step and without it, in alternating blocks so that a change in the machine's load falls on both
+alike. Every step is timed until its parameters are ready (`jax.block_until_ready`), so the
 asynchronous dispatch of JAX hides nothing on either side.
 
 Reported: mean and median step time each way, and the overhead of the hook: the median over the
@@ -15,10 +19,18 @@ rounds, because this machine's speed drifts by up to 3x over minutes and a round
 such a change says nothing about the hook. The quartiles of the per-round figures show the spread.
 Beside it, CPU time per step each way, of this process (all its threads: XLA's, the client's) and of
 the syncer's: on 2 shared cores the hook's cost is CPU that the training step then lacks.
+
+The hook's own time, `sync.step` timed around the call (the step's parameters already ready, so it
+holds no wait for the device): its median on the hooked steps where it pushed no fragment and applied
+none (`idle_step_hook_us`: the cost every step pays) and on those where it did either
+(`busy_step_hook_us`). And the share of the tokens reported that the syncer merged, from its ledger
+(`/status`) at the end of the run, of those whose fate is decided (each fragment's last window is
+still open then); the plain blocks report nothing, so they add no tokens to it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -27,12 +39,24 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ddiloco.net.auth import write_token_file
 
+__all__ = ["LearnerBenchConfig", "format_report", "run_learner_bench"]
+
 SYNCER_START_S_MAX = 60.0
+STATUS_S_MAX = 10.0  # the syncer's /status answers within this
+SYNTHETIC_STEP_MS_MAX = 60_000.0
+SYNTHETIC_PARAMS_MAX = 1 << 32  # 16 GiB of float32: more than a bench host should be asked to hold
+SYNTHETIC_PARAMS_DEFAULT = 10 * (1 << 20)  # the CLI's 10M
+WARMUP_STEPS_MAX = 10_000  # the warm-up goes on until the learner holds every fragment, up to this
+REFERENCE_HEADS = 4  # reference.ModelConfig's n_heads, which d_model must be a multiple of
+SYNTHETIC_TOKENS_PER_STEP = 512  # what a synthetic step reports (the reference loop's 8 x 64)
 
 
 @dataclass(frozen=True)
@@ -47,12 +71,130 @@ class LearnerBenchConfig:
     model: str = "dense"
     codec: str = "int4"
     seed: int = 0
+    # the reference loop's size (reference.ModelConfig: d_ff is 4 x d_model)
+    d_model: int = 128
+    layers: int = 2
+    # the synthetic loop: None runs the reference loop
+    synthetic_step_ms: float | None = None
+    params: int = SYNTHETIC_PARAMS_DEFAULT  # parameters of the synthetic loop's pytree
+    synthetic_wait: str = "sleep"  # sleep (a host waiting on its accelerator) or spin (a CPU-bound step)
 
     def __post_init__(self) -> None:
         if self.steps < self.rounds or self.rounds < 1 or self.warmup_steps < 1 or self.batch < 1:
             raise ValueError(f"need rounds >= 1, steps >= rounds, warmup_steps >= 1 and batch >= 1, got {self}")
         if self.model not in ("dense", "moe"):
             raise ValueError(f"model must be dense or moe, got {self.model!r}")
+        if self.synthetic_step_ms is not None and not 0 < self.synthetic_step_ms <= SYNTHETIC_STEP_MS_MAX:
+            raise ValueError(
+                f"synthetic_step_ms must lie in (0, {SYNTHETIC_STEP_MS_MAX:g}], got {self.synthetic_step_ms}"
+            )
+        if not 2 * self.fragments <= self.params <= SYNTHETIC_PARAMS_MAX:
+            raise ValueError(f"params must lie in [2 x fragments, {SYNTHETIC_PARAMS_MAX}], got {self.params}")
+        if self.synthetic_wait not in ("sleep", "spin"):
+            raise ValueError(f"synthetic_wait must be sleep or spin, got {self.synthetic_wait!r}")
+        if self.d_model % REFERENCE_HEADS or self.layers < 1:
+            raise ValueError(
+                f"d_model {self.d_model} must be a multiple of n_heads {REFERENCE_HEADS}, and layers positive"
+            )
+        if self.fragments < 1 or self.period < 1 or self.overlap < 0:
+            raise ValueError(f"need fragments >= 1, period >= 1 and overlap >= 0, got {self}")
+
+    @property
+    def synthetic(self) -> bool:
+        return self.synthetic_step_ms is not None
+
+
+@dataclass
+class _Loop:
+    """One training loop as the bench drives it: `advance` takes one step without the hook and
+    returns the new parameters, ready on the device."""
+
+    params: Any
+    advance: Callable[[Any], Any]
+    tokens: int  # per step, what the hook is told
+    param_count: int
+
+
+def _reference_loop(cfg: LearnerBenchConfig) -> _Loop:
+    import jax
+    import numpy as np
+
+    from ddiloco.reference import data
+    from ddiloco.reference import model as reference
+
+    mcfg = reference.ModelConfig(
+        d_model=cfg.d_model,
+        n_layers=cfg.layers,
+        n_heads=REFERENCE_HEADS,
+        d_ff=4 * cfg.d_model,
+        experts=4 if cfg.model == "moe" else 0,
+    )
+    total = cfg.warmup_steps + 2 * cfg.steps
+    tx = reference.make_optimizer(reference.TrainConfig(total_steps=max(total, 21)))
+    params = reference.init_params(mcfg, jax.random.PRNGKey(cfg.seed))
+    opt_state = tx.init(params)
+    train_step = reference.make_train_step(mcfg, tx)
+    stream = data.batches(
+        data.Shard(0, 1).slice(data.train_bytes()), cfg.batch, mcfg.seq, np.random.default_rng(cfg.seed)
+    )
+
+    def advance(params: Any) -> Any:
+        nonlocal opt_state
+        x, y = next(stream)
+        params, opt_state, _ = train_step(params, opt_state, x, y)
+        return jax.block_until_ready(params)
+
+    count = sum(int(leaf.size) for leaf in jax.tree.leaves(params))
+    return _Loop(params, advance, cfg.batch * mcfg.seq, count)
+
+
+def _synthetic_loop(cfg: LearnerBenchConfig) -> _Loop:
+    """`cfg.params` float32 parameters in 2 x fragments tensors (a layout needs a tensor per fragment
+    at least) on the default device; a step scales and shifts each one, then waits out the step time."""
+    import jax
+    import jax.numpy as jnp
+
+    assert cfg.synthetic_step_ms is not None
+    tensors = 2 * cfg.fragments
+    sizes = [cfg.params // tensors + (1 if i < cfg.params % tensors else 0) for i in range(tensors)]
+    keys = jax.random.split(jax.random.PRNGKey(cfg.seed), tensors)
+    params = {
+        f"block{i:03d}": {"w": 0.02 * jax.random.normal(k, (n,), jnp.float32)}
+        for i, (k, n) in enumerate(zip(keys, sizes))
+    }
+    # Cheap, and it moves every parameter, so each push carries a real outer gradient.
+    perturb = jax.jit(lambda p: jax.tree.map(lambda x: x * (1 - 1e-4) + 1e-4, p))
+    step_s = cfg.synthetic_step_ms / 1000
+
+    def advance(params: Any) -> Any:
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(perturb(params))
+        end = t0 + step_s
+        if cfg.synthetic_wait == "sleep":
+            left = end - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        else:
+            while time.perf_counter() < end:
+                pass
+        return params
+
+    return _Loop(jax.block_until_ready(params), advance, SYNTHETIC_TOKENS_PER_STEP, cfg.params)
+
+
+class _CountingTransport:
+    """The hook's transport with its pushes counted: a step whose call pushed a fragment is a busy one."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.pushes = 0
+
+    def push(self, item: Any) -> None:
+        self.pushes += 1
+        self.inner.push(item)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen, int, str]:
@@ -92,43 +234,42 @@ def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen
 
 def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict:
     import jax
-    import numpy as np
 
     from ddiloco.learner.sync import DilocoSync, SyncConfig
-    from ddiloco.reference import data
-    from ddiloco.reference import model as reference
 
     work = Path(work or tempfile.mkdtemp(prefix="ddiloco-bench-learner-"))
     work.mkdir(parents=True, exist_ok=True)
-    mcfg = reference.ModelConfig(experts=4 if cfg.model == "moe" else 0)
-    total = cfg.warmup_steps + 2 * cfg.steps
-    tx = reference.make_optimizer(reference.TrainConfig(total_steps=max(total, 21)))
-    params = reference.init_params(mcfg, jax.random.PRNGKey(cfg.seed))
-    opt_state = tx.init(params)
-    train_step = reference.make_train_step(mcfg, tx)
-    stream = data.batches(
-        data.Shard(0, 1).slice(data.train_bytes()), cfg.batch, mcfg.seq, np.random.default_rng(cfg.seed)
-    )
-    tokens = cfg.batch * mcfg.seq
+    loop = _synthetic_loop(cfg) if cfg.synthetic else _reference_loop(cfg)
+    params = loop.params
     proc, port, token = _start_syncer(cfg, work)
     sync = None
     try:
         sync = DilocoSync.connect(
             params, SyncConfig(url=f"ws://127.0.0.1:{port}/ws", name="bench", token=token, codec=cfg.codec)
         )
+        counted = _CountingTransport(sync.client)
+        sync.client = counted
+        hook_us: dict[bool, list[float]] = {True: [], False: []}  # busy -> the hook's microseconds
 
-        def one(hooked: bool) -> float:
-            nonlocal params, opt_state
+        def one(hooked: bool, timed: bool = True) -> float:
+            nonlocal params
             t0 = time.perf_counter()
-            x, y = next(stream)
-            params, opt_state, _ = train_step(params, opt_state, x, y)
+            params = loop.advance(params)
             if hooked:
-                params = sync.step(params, tokens=tokens)
+                applied, pushes = sync.merged_versions_applied, counted.pushes
+                h0 = time.perf_counter()
+                params = sync.step(params, tokens=loop.tokens)
+                took = time.perf_counter() - h0
+                if timed:
+                    busy = sync.merged_versions_applied != applied or counted.pushes != pushes
+                    hook_us[busy].append(1e6 * took)
             jax.block_until_ready(params)
             return time.perf_counter() - t0
 
-        for _ in range(cfg.warmup_steps):
-            one(True)
+        warm = 0
+        while warm < WARMUP_STEPS_MAX and (warm < cfg.warmup_steps or min(sync.versions) < 0):
+            one(True, timed=False)
+            warm += 1
         times: dict[bool, list[float]] = {True: [], False: []}
         cpu = {True: [0.0, 0.0], False: [0.0, 0.0]}  # (this process, the syncer's) CPU seconds each way
         ratios = []
@@ -142,30 +283,67 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
                 cpu[hooked][1] += _cpu_s(proc.pid) - before[1]
                 times[hooked] += block[hooked]
             ratios.append(statistics.fmean(block[True]) / statistics.fmean(block[False]))
-        applied = sync.merged_versions_applied
+        applied, pushed = sync.merged_versions_applied, counted.pushes
+        ledger = _ledger(port)  # while the learner is still there: its open windows are not lost yet
     finally:
         if sync is not None:
             sync.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     plain, hooked = times[False], times[True]
+    overhead = statistics.median(ratios) - 1
     return {
         "config": asdict(cfg),
+        "loop": "synthetic" if cfg.synthetic else "reference",
+        "params": loop.param_count,
+        "synthetic_step_ms": cfg.synthetic_step_ms,
+        "fragments": cfg.fragments,
+        "period": cfg.period,
+        "warmup_steps_run": warm,
         "steps_each": len(plain),
         "plain_mean_ms": 1000 * statistics.fmean(plain),
         "plain_p50_ms": 1000 * statistics.median(plain),
         "hooked_mean_ms": 1000 * statistics.fmean(hooked),
         "hooked_p50_ms": 1000 * statistics.median(hooked),
-        "overhead_pct": 100 * (statistics.median(ratios) - 1),
+        "overhead": overhead,
+        "overhead_pct": 100 * overhead,
         "overhead_quartiles_pct": [100 * (q - 1) for q in _quartiles(ratios)],
         "overhead_of_means_pct": 100 * (statistics.fmean(hooked) / statistics.fmean(plain) - 1),
         "merged_versions_applied": applied,
+        "pushes": pushed,
+        # the hook's own time per call, on steps with nothing to push or apply and on the others
+        "idle_step_hook_us": _median_or_none(hook_us[False]),
+        "busy_step_hook_us": _median_or_none(hook_us[True]),
+        "idle_steps": len(hook_us[False]),
+        "busy_steps": len(hook_us[True]),
+        "merged_share": _merged_share(ledger),
+        "ledger": ledger,
         # CPU time per step, all threads (XLA's, the client's): steadier than wall time when the
         # machine's speed drifts, and it says where the hook's cost lands
         "plain_cpu_ms": 1000 * cpu[False][0] / len(plain),
         "hooked_cpu_ms": 1000 * cpu[True][0] / len(hooked),
         "syncer_cpu_ms": 1000 * cpu[True][1] / len(hooked),
     }
+
+
+def _ledger(port: int) -> dict:
+    """The syncer's token ledger (`/status`), {} if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=STATUS_S_MAX) as r:
+            return dict(json.loads(r.read()).get("ledger", {}))
+    except (OSError, ValueError):
+        return {}
+
+
+def _merged_share(ledger: dict) -> float | None:
+    """Merged tokens over the tokens whose fate is decided: reported, less the windows still open
+    when the run ended (the last of each fragment, which the next round would have decided)."""
+    decided = ledger.get("reported", 0) - ledger.get("open", 0)
+    return ledger.get("merged", 0) / decided if decided > 0 else None
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _cpu_s(pid: int | None = None) -> float:
@@ -188,22 +366,52 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def _loop_words(r: dict) -> str:
+    c = r["config"]
+    if c["synthetic_step_ms"] is not None:
+        what = f"synthetic: {r['params']:,} parameters, {c['synthetic_step_ms']:g} ms per step ({c['synthetic_wait']})"
+    else:
+        what = (
+            f"{c['model']} byte transformer ({r['params']:,} parameters, d_model {c['d_model']}, "
+            f"{c['layers']} layers), batch {c['batch']}"
+        )
+    return (
+        f"{what}, {c['fragments']} fragments, H = {c['period']}, tau = {c['overlap']}, push {c['codec']}; "
+        f"{r['steps_each']} steps each way in {c['rounds']} blocks"
+    )
+
+
+def _fates(ledger: dict) -> str:
+    reported = ledger.get("reported", 0)
+    return (
+        ", ".join(f"{fate} {100 * n / reported:.1f}%" for fate, n in ledger.items() if fate != "reported" and n)
+        if reported
+        else "empty"
+    )
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} us"
+
+
 def format_report(r: dict) -> str:
     c = r["config"]
+    share = r["merged_share"]
     rows = [
-        (
-            "loop",
-            (
-                f"{c['model']} byte transformer, batch {c['batch']}, {c['fragments']} fragments, H = {c['period']}, "
-                f"tau = {c['overlap']}, push {c['codec']}; {r['steps_each']} steps each way in {c['rounds']} blocks"
-            ),
-        ),
+        ("loop", _loop_words(r)),
         ("without hook", f"mean {r['plain_mean_ms']:.2f} ms, p50 {r['plain_p50_ms']:.2f} ms per step"),
         (
             "with hook",
             (
                 f"mean {r['hooked_mean_ms']:.2f} ms, p50 {r['hooked_p50_ms']:.2f} ms per step "
-                f"({r['merged_versions_applied']} merged fragment versions applied)"
+                f"({r['merged_versions_applied']} merged fragment versions applied, {r['pushes']} pushed)"
+            ),
+        ),
+        (
+            "hook per call",
+            (
+                f"median {_us(r['idle_step_hook_us'])} on {r['idle_steps']} steps with nothing to push or apply, "
+                f"{_us(r['busy_step_hook_us'])} on {r['busy_steps']} steps that pushed or applied a fragment"
             ),
         ),
         (
@@ -213,6 +421,12 @@ def format_report(r: dict) -> str:
                 f"and {r['syncer_cpu_ms']:.1f} ms in the syncer's (all threads; "
                 f"{100 * ((r['hooked_cpu_ms'] + r['syncer_cpu_ms']) / r['plain_cpu_ms'] - 1):+.1f}% in all)"
             ),
+        ),
+        (
+            "merged",
+            "no tokens reported"
+            if share is None
+            else f"{100 * share:.1f}% of the reported tokens decided (the syncer's ledger: {_fates(r['ledger'])})",
         ),
         (
             "overhead",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddiloco.cli import user_input
+from ddiloco.errors import UserError
 
 _SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -113,18 +114,80 @@ def _syncer_run(args: argparse.Namespace) -> int:
 # ---- learner ----
 
 
+_SYNTHETIC_STEPS = 1200  # the synthetic loop's default timed steps each way: its steps are short
+
+
 def _learner_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=_positive_int, default=240, help="timed steps each way (default 240)")
+    p.add_argument(
+        "--steps", type=_positive_int, help="timed steps each way (default 240; 1200 with --synthetic-step-ms)"
+    )
     p.add_argument(
         "--rounds",
         type=_positive_int,
         default=20,
         help="alternating blocks each way; the overhead is the median over them (default 20)",
     )
-    p.add_argument("--batch", type=_positive_int, default=8, help="batch of the reference loop (default 8)")
-    p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--fragments", type=_positive_int, default=4, help="fragments of the syncer (default 4)")
+    p.add_argument(
+        "--period", type=_positive_int, default=24, help="H, steps between two syncs of a fragment (default 24)"
+    )
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON (a list of one record)")
+    ref = p.add_argument_group("the reference loop (the default)")
+    ref.add_argument("--batch", type=_positive_int, help="batch of the reference loop (default 8)")
+    ref.add_argument("--model", choices=["dense", "moe"], help="dense (default) or moe")
+    ref.add_argument(
+        "--d-model", type=_positive_int, help="width of the reference model (default 128; a multiple of 4)"
+    )
+    ref.add_argument("--layers", type=_positive_int, help="layers of the reference model (default 2)")
+    syn = p.add_argument_group("the synthetic loop: no model, a pytree perturbed each step and a fixed step time")
+    syn.add_argument("--synthetic-step-ms", type=float, metavar="X", help="run the synthetic loop, each step X ms long")
+    syn.add_argument(
+        "--params", type=parse_count, help="parameters of the synthetic loop's pytree (default 10M = 10 * 2**20)"
+    )
+    syn.add_argument(
+        "--synthetic-wait",
+        choices=["sleep", "spin"],
+        help="how a synthetic step waits out its time: sleep (default; a host waiting on its accelerator) "
+        "or spin (a CPU-bound step)",
+    )
+
+
+def _learner_config(args: argparse.Namespace):
+    """The LearnerBenchConfig the flags describe; a flag of the other loop is a UserError."""
+    from ddiloco.bench import learner
+
+    synthetic = args.synthetic_step_ms is not None
+    other = (
+        [
+            f
+            for f, v in (
+                ("--batch", args.batch),
+                ("--model", args.model),
+                ("--d-model", args.d_model),
+                ("--layers", args.layers),
+            )
+            if v is not None
+        ]
+        if synthetic
+        else [f for f, v in (("--params", args.params), ("--synthetic-wait", args.synthetic_wait)) if v is not None]
+    )
+    if other:
+        loop = "the reference loop" if synthetic else "the synthetic loop (--synthetic-step-ms)"
+        raise UserError(f"{', '.join(other)} sizes {loop}, not the one asked for")
+    fields = {
+        "steps": args.steps or (_SYNTHETIC_STEPS if synthetic else learner.LearnerBenchConfig.steps),
+        "rounds": args.rounds,
+        "fragments": args.fragments,
+        "period": args.period,
+        "overlap": args.period // 3,  # tau: a third of H, the default's 8 of 24
+        "codec": args.codec,
+    }
+    for name in ("batch", "model", "d_model", "layers", "synthetic_step_ms", "params", "synthetic_wait"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    with user_input():
+        return learner.LearnerBenchConfig(**fields)
 
 
 def _learner_run(args: argparse.Namespace) -> int:
@@ -133,10 +196,7 @@ def _learner_run(args: argparse.Namespace) -> int:
     require_learner_extra()
     from ddiloco.bench import learner
 
-    with user_input():
-        config = learner.LearnerBenchConfig(
-            steps=args.steps, rounds=args.rounds, batch=args.batch, model=args.model, codec=args.codec
-        )
+    config = _learner_config(args)
     print(f"bench learner: {config}", file=sys.stderr)
     result = learner.run_learner_bench(config)
     print(learner.format_report(result))

@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="record the whole run (syncer and learners) for `ddiloco replay DIR --full`",
     )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs to share out among the learners: each its own where there are enough, else round robin "
+        "with a memory cap per learner; 0: none (default: as many as nvidia-smi lists)",
+    )
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of loss against tokens, kills marked")
 
 
@@ -112,6 +118,7 @@ def config_from_args(args: argparse.Namespace):
             record=args.record,
             snapshot_every_s=args.snapshot_every_s,
             restore=args.restore,
+            gpus=args.gpus,
         )
     return cfg
 

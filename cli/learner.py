@@ -49,17 +49,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="continue from this learner's local state in a consistent snapshot (learner-<id>.ddls)",
     )
+    p.add_argument(
+        "--devices",
+        metavar="SPEC",
+        help="the JAX devices this process uses: all (default: what JAX finds), cpu, or GPU indices "
+        "such as 0 or 0,1 (counted within CUDA_VISIBLE_DEVICES where that is set)",
+    )
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        metavar="F",
+        help="learners sharing a GPU: no preallocation, and at most this share of its memory each "
+        "(e.g. 0.42 for two; without it JAX takes 75%% of the GPU in the first process)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.cli import require_learner_extra
 
     require_learner_extra()
+    # First of all: the devices are fixed once JAX's backend starts (learner.devices).
+    from ddiloco.learner import devices
+
+    spec = devices.parse_devices(args.devices) if args.devices is not None else None
+    if spec is not None or args.memory_fraction is not None:
+        devices.apply_devices(spec or devices.DeviceSpec("all"), args.memory_fraction)
     from ddiloco.demo.learner_process import LearnerConfig, run_learner
     from ddiloco.net.auth import read_token_file
     from ddiloco.reference import data, model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if spec is not None:
+        logging.getLogger("ddiloco.learner").info("devices %s: %s", spec, devices.check_devices(spec))
     shard = data.Shard.parse(args.shard)
     with user_input():  # the configs check the values the flags gave
         cfg = LearnerConfig(

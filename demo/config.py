@@ -7,8 +7,9 @@ from pathlib import Path
 
 from ddiloco.reference import model as reference
 
-__all__ = ["LOG_EVERY_STEPS", "STEPS_CAP_FACTOR", "DemoConfig", "model_config"]
+__all__ = ["GPUS_MAX", "LOG_EVERY_STEPS", "STEPS_CAP_FACTOR", "DemoConfig", "model_config"]
 
+GPUS_MAX = 1024  # more than any one host holds: a larger count is a typo
 LOG_EVERY_STEPS = 5  # a learner writes one JSON line per this many of its steps (demo/learner_process.py)
 # Learners are stopped at this many times `steps` global steps, budget spent or not (the supervisor
 # watches the global step); each learner process also stops after this many times `steps` of its own.
@@ -59,6 +60,10 @@ class DemoConfig:
     # on `ddiloco snapshot URL`); `restore` restarts the whole system from one of them.
     snapshot_every_s: float = 0.0
     restore: Path | None = None
+    # GPUs the learners share out (learner.devices.learner_device_plan): None counts them
+    # (learner.devices.visible_gpu_count, without starting JAX in the supervisor); 0 keeps every
+    # learner on what JAX finds, as on a host without GPUs.
+    gpus: int | None = None
 
     @property
     def token_budget(self) -> int:
@@ -84,6 +89,8 @@ class DemoConfig:
             raise ValueError(f"merge must be rda or mean, got {self.merge!r}")
         if self.snapshot_every_s < 0:
             raise ValueError("snapshot_every_s must be non-negative")
+        if self.gpus is not None and not 0 <= self.gpus <= GPUS_MAX:
+            raise ValueError(f"gpus must lie in [0, {GPUS_MAX}], got {self.gpus}")
 
 
 def model_config(cfg: DemoConfig) -> reference.ModelConfig:

@@ -39,11 +39,12 @@ from ddiloco.demo.config import STEPS_CAP_FACTOR, DemoConfig, model_config
 from ddiloco.demo.evaluation import checkpoint_params, evaluate
 from ddiloco.demo.live_view import make_view, newest_rows
 from ddiloco.demo.report import DemoReport, goodput, learner_curve, trained_tokens, uptime_and_longest_gap
+from ddiloco.learner.devices import LearnerDevices, learner_device_plan, visible_gpu_count
 from ddiloco.net import snapshot as snapshots
 from ddiloco.net.auth import write_token_file
 from ddiloco.reference import model as reference
 
-__all__ = ["Demo", "LearnerProcess", "LossLog", "SyncerProcess", "run_demo"]
+__all__ = ["Demo", "LearnerProcess", "LossLog", "SyncerProcess", "device_plan_words", "learner_argv", "run_demo"]
 
 POLL_S = 0.5
 SYNCER_START_S_MAX = 60.0  # a syncer that has not said "listening" by then has failed
@@ -120,6 +121,10 @@ class Demo:
         self.port = _wait_listening(self.syncer)
         self.base = f"http://127.0.0.1:{self.port}"
         self.learners = [LearnerProcess(i) for i in range(cfg.learners)]
+        gpus = visible_gpu_count() if cfg.gpus is None else cfg.gpus
+        self.devices = learner_device_plan(gpus, cfg.learners)
+        if gpus:
+            view.note(f"demo: {gpus} GPU(s); {device_plan_words(self.devices)}")
         self.logs = [LossLog(work / f"learner{i}.jsonl") for i in range(cfg.learners)]
         self.started = time.monotonic()
         self.wall_started = time.time()  # the syncer's log lines are stamped in wall time
@@ -134,49 +139,9 @@ class Demo:
         self.events.append({"t": round(now, 2), "what": what, "step": self.step, **extra})
 
     def spawn(self, lr: LearnerProcess) -> None:
-        cfg, speed = self.cfg, self.cfg.speeds[lr.index] if self.cfg.speeds else 1.0
         log = open(self.work / f"learner{lr.index}.log", "a")
         lr.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ddiloco.cli",
-                "learner",
-                "--syncer",
-                f"ws://127.0.0.1:{self.port}/ws",
-                "--token-file",
-                str(self.token_file),
-                "--shard",
-                f"{lr.index}/{cfg.learners}",
-                "--steps",
-                str(cfg.steps * STEPS_CAP_FACTOR),
-                "--schedule-steps",
-                str(cfg.steps),
-                "--batch",
-                str(cfg.batch),
-                "--seed",
-                str(cfg.seed * 1000 + lr.index * 10 + lr.restarts),
-                "--speed",
-                str(speed),
-                "--model",
-                cfg.model,
-                "--name",
-                f"learner-{lr.index}",
-                "--cache-dir",
-                str(self.work / "jax-cache"),
-                "--log-file",
-                str(self.work / f"learner{lr.index}.jsonl"),
-                *(
-                    ["--record", str(cfg.record / "learners" / f"learner-{lr.index}.{lr.restarts}")]
-                    if cfg.record
-                    else []
-                ),
-                *(
-                    ["--restore", str(self.restore[f"learner-{lr.index}"])]
-                    if lr.restarts == 0 and f"learner-{lr.index}" in self.restore
-                    else []
-                ),
-            ],
+            learner_argv(self.cfg, lr, self.port, self.token_file, self.work, self.restore, self.devices[lr.index]),
             stdout=subprocess.DEVNULL,
             stderr=log,
         )
@@ -404,6 +369,63 @@ def _report(cfg: DemoConfig, demo: Demo, work: Path, merge_times: list[float], f
         tokens_trained=trained_tokens(final) if final.get("ledger") else 0,
         token_budget=cfg.token_budget,
         global_steps=int(final.get("global_step", 0)),
+    )
+
+
+def learner_argv(
+    cfg: DemoConfig,
+    lr: LearnerProcess,
+    port: int,
+    token_file: Path,
+    work: Path,
+    restore: dict[str, Path],
+    devices: LearnerDevices,
+) -> list[str]:
+    """The command line of learner `lr`'s next process (a restarted one keeps its index, so its GPU)."""
+    speed = cfg.speeds[lr.index] if cfg.speeds else 1.0
+    name = f"learner-{lr.index}"
+    return [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "learner",
+        "--syncer",
+        f"ws://127.0.0.1:{port}/ws",
+        "--token-file",
+        str(token_file),
+        "--shard",
+        f"{lr.index}/{cfg.learners}",
+        "--steps",
+        str(cfg.steps * STEPS_CAP_FACTOR),
+        "--schedule-steps",
+        str(cfg.steps),
+        "--batch",
+        str(cfg.batch),
+        "--seed",
+        str(cfg.seed * 1000 + lr.index * 10 + lr.restarts),
+        "--speed",
+        str(speed),
+        "--model",
+        cfg.model,
+        "--name",
+        name,
+        "--cache-dir",
+        str(work / "jax-cache"),
+        "--log-file",
+        str(work / f"learner{lr.index}.jsonl"),
+        *devices.argv(),
+        *(["--record", str(cfg.record / "learners" / f"{name}.{lr.restarts}")] if cfg.record else []),
+        *(["--restore", str(restore[name])] if lr.restarts == 0 and name in restore else []),
+    ]
+
+
+def device_plan_words(plan: list[LearnerDevices]) -> str:
+    """The plan in one line: `learner 0 on GPU 0, learner 1 on GPU 0 (memory fraction 0.425)`."""
+    return ", ".join(
+        f"learner {i} on "
+        + ("the devices JAX finds" if d.devices is None else f"GPU {d.devices}")
+        + ("" if d.memory_fraction is None else f" (memory fraction {d.memory_fraction:.3f})")
+        for i, d in enumerate(plan)
     )
 
 

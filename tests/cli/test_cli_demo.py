@@ -54,3 +54,37 @@ def test_bench_learner_is_a_bench_kind():
     assert args.kind == "learner" and args.steps == 10
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "learner", "--steps", "0"])
+
+
+def test_bench_learner_flags_of_the_other_loop_are_one_clear_line(capsys):
+    assert main(["bench", "learner", "--params", "1M"]) == 2
+    assert "--params sizes the synthetic loop (--synthetic-step-ms), not the one asked for" in capsys.readouterr().err
+    assert main(["bench", "learner", "--synthetic-step-ms", "2", "--d-model", "256", "--batch", "4"]) == 2
+    assert "--batch, --d-model sizes the reference loop" in capsys.readouterr().err
+    assert main(["bench", "learner", "--synthetic-step-ms", "-1"]) == 2
+    assert "synthetic_step_ms must lie in" in capsys.readouterr().err
+    assert main(["bench", "learner", "--d-model", "130"]) == 2  # not a multiple of the 4 heads
+    assert "must be a multiple of n_heads" in capsys.readouterr().err
+
+
+def test_bench_learner_synthetic_defaults():
+    from ddiloco.cli.bench import _learner_config
+
+    cfg = _learner_config(build_parser().parse_args(["bench", "learner", "--synthetic-step-ms", "20"]))
+    assert (cfg.synthetic_step_ms, cfg.params, cfg.fragments, cfg.period, cfg.overlap, cfg.steps) == (
+        20.0,
+        10 * 2**20,
+        4,
+        24,
+        8,
+        1200,
+    )
+    ref = _learner_config(build_parser().parse_args(["bench", "learner", "--d-model", "256", "--layers", "4"]))
+    assert (ref.synthetic_step_ms, ref.d_model, ref.layers, ref.steps, ref.batch, ref.model) == (
+        None,
+        256,
+        4,
+        240,
+        8,
+        "dense",
+    )

@@ -198,3 +198,39 @@ def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(t
     lines = [json.loads(line) for line in (tmp_path / "late.jsonl").read_text().splitlines()]
     assert lines[0] == {"phase": "compiling"} and lines[1]["phase"] == "compiled" and lines[1]["seconds"] > 0
     assert all("step" in line for line in lines[2:]) and len(lines[2:]) == steps // 5
+
+
+def test_bad_devices_are_one_line_before_anything_starts(capsys):
+    from ddiloco.cli import main
+
+    assert main(["learner", "--syncer", "ws://127.0.0.1:9/ws", "--devices", "0,zero"]) == 2
+    assert "--devices '0,zero': expected all, cpu, or GPU indices such as 0 or 0,1" in capsys.readouterr().err
+    assert main(["learner", "--syncer", "ws://127.0.0.1:9/ws", "--devices", "cpu", "--memory-fraction", "0.5"]) == 2
+    assert "--memory-fraction caps GPU memory" in capsys.readouterr().err
+
+
+def test_a_gpu_asked_for_on_a_host_jax_sees_none_on_is_refused_before_joining():
+    # No syncer listens at this URL: the learner must stop at its devices, before it tries to join.
+    done = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", "ws://127.0.0.1:9/ws", "--devices", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--devices 0: asked for 1 GPU(s), JAX sees cpu:0" in done.stderr
+
+
+def test_a_learner_on_devices_cpu_trains_and_says_so(tmp_path, start_syncer):
+    syncer, port, log = start_syncer(tmp_path, "--fragments", "2", "--period", "2")
+    drain(syncer, log)
+    try:
+        proc = learner(port, tmp_path, "0/1", 10, True, "--devices", "cpu")
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        assert "devices cpu: cpu:0" in err
+        assert json.loads(out.strip().splitlines()[-1])["last_step"] >= 10
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        syncer.wait(60)
