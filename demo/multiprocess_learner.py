@@ -84,14 +84,26 @@ def run_multiprocess_learner(cfg: LearnerConfig, setup: ProcessSetup) -> dict:
     sync = MultiProcessSync(params, config)
     log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file and sync.is_leader else None
     steps, ce, ce_array, t0 = 0, float("nan"), None, time.monotonic()
+    train_s: list[float] = []  # each training step, its batch and its results included
+    sync_s: list[float] = []  # sync.step, every step
+    quiet_s: list[float] = []  # sync.step on the steps where nothing was read or arrived
     try:
         while steps < cfg.steps_total:
+            began = time.perf_counter()
             x, y = next(stream)
             try:
                 params, opt_state, ce_array = train_step(params, opt_state, *_global_batch(mesh, x, y))
             except jax.errors.JaxRuntimeError as exc:  # a collective of the step failed: a process is gone
                 raise LearnerProcessLost(f"the training step failed: another process is gone ({exc})") from exc
+            # Wait for the step here, so that the time of `sync.step` below is its own (it would
+            # wait for the same thing first).
+            jax.block_until_ready(params)
+            synced = time.perf_counter()
             params = sync.step(params, tokens=cfg.batch * cfg.model.seq)
+            train_s.append(synced - began)
+            sync_s.append(time.perf_counter() - synced)
+            if sync.last_step_quiet:
+                quiet_s.append(sync_s[-1])
             steps += 1
             if log_fh and steps % 5 == 0:
                 record = {"t": round(time.monotonic() - t0, 3), "step": steps, "loss": float(ce_array)}
@@ -109,4 +121,14 @@ def run_multiprocess_learner(cfg: LearnerConfig, setup: ProcessSetup) -> dict:
         "steps": steps,
         "loss": ce,
         "applied": sync.fragments_applied,
+        # What a step of the whole learner costs the sync on the steps where nothing happens (the
+        # header's broadcast), beside the time the training step was waited for.
+        "quiet_steps": len(quiet_s),
+        "quiet_sync_ms_median": _median_ms(quiet_s),
+        "sync_ms_median": _median_ms(sync_s),
+        "train_step_ms_median": _median_ms(train_s),
     }
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return round(float(np.median(seconds)) * 1e3, 3) if seconds else None

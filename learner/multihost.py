@@ -292,6 +292,8 @@ class MultiProcessSync:
         self.tree: TreeFragments | None = None
         self.calls = 0
         self.fragments_applied = 0  # fragment values broadcast and set, on every process
+        self.quiet_steps = 0  # steps whose only collective was the header (nothing read, nothing arrived)
+        self.last_step_quiet = False
         self._treedef = tree_flatten(params)[1]
         self._transport = transport
         self._held: HeldTransport | None = None
@@ -399,6 +401,8 @@ class MultiProcessSync:
         assert header.step == self.calls, f"process at call {self.calls} got the header of call {header.step}"
         leaves = tree_flatten(params)[0]
         wanted = range(len(leaves)) if header.flags & HEADER_FLAG_GATHER_ALL else self._leaves_of(header.gather)
+        self.last_step_quiet = not header.flags and not wanted
+        self.quiet_steps += self.last_step_quiet
         view = self._host_view(leaves, wanted)
         changed = np.zeros(fragments, dtype=np.int32)
         if self.is_leader:
