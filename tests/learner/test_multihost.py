@@ -191,6 +191,25 @@ def test_a_multi_process_learner_needs_no_peer_server():
         MultiProcessSync(model(0), SyncConfig(url="ws://127.0.0.1:9/ws", name="mp", peer=PeerConfig()))
 
 
+@pytest.mark.parametrize(
+    ("flags", "what"),
+    [
+        (["--num-processes", "2"], "need --coordinator"),
+        (["--process-id", "1"], "need --coordinator"),
+        (["--coordinator", "node0"], "HOST:PORT"),
+        (["--coordinator", "node0:8476", "--num-processes", "2", "--process-id", "2"], "process id"),
+        (["--coordinator", "node0:8476", "--num-processes", "2", "--record", "tape"], "--record and --restore"),
+        (["--coordinator", "node0:8476", "--num-processes", "2", "--speed", "0.5"], "--speed"),
+    ],
+)
+def test_the_learner_command_refuses_a_distributed_setup_that_cannot_work(flags, what, capsys):
+    """Refused before jax.distributed starts (a process that waited for its peers would hang first)."""
+    from ddiloco.cli import main
+
+    assert main(["learner", "--syncer", "ws://127.0.0.1:9/ws", *flags]) == 2
+    assert what in capsys.readouterr().err
+
+
 # ---- across processes -------------------------------------------------------------------------------
 
 
