@@ -7,8 +7,8 @@ leader's host view, the fragments it sets, a quiet step that returns the paramet
 Across processes: a learner of two JAX processes with two CPU devices each (parameters sharded over
 all four) and an ordinary learner, as child Pythons started on this file (`python test_multihost.py
 process I ...` or `plain ...`; a child cannot import a test module, but it can run this file as a
-script). Both learners' pushes merge; then one process of the two-process learner is killed: the
-other exits with LearnerProcessLost's message within the collective timeout, the syncer sees that
+script). Both learners' pushes merge; then one process of the two-process learner is killed
+(process 1; the leader keeps the connection): the other exits with LearnerProcessLost's message within the collective timeout, the syncer sees that
 learner leave, and it goes on merging the ordinary learner's pushes.
 """
 
@@ -239,7 +239,11 @@ def merged_tokens(state: Any, name: str) -> int:
     return sum(state.ledger.by_learner.get(i, {}).get("merged", 0) for i in ids)
 
 
-def test_a_two_process_learner_merges_and_dies_whole_when_one_process_is_killed(threaded_syncer, tmp_path):
+# Killing the leader (process 0) instead also passed once here, but took 94 s, against 44 s: the
+# survivor's exit then seems to come from the watchdog at COLLECTIVE_TIMEOUT_S (not checked yet),
+# which is over this suite's time budget for one test.
+@pytest.mark.parametrize("killed", [1], ids=["other-process-killed"])
+def test_a_two_process_learner_merges_and_dies_whole_when_one_process_is_killed(threaded_syncer, tmp_path, killed):
     syncer = threaded_syncer(num_fragments=2, period=2, quorum=1)
     coordinator = f"127.0.0.1:{free_port()}"
     logs = [tmp_path / f"process-{i}.log" for i in range(2)]
@@ -248,13 +252,15 @@ def test_a_two_process_learner_merges_and_dies_whole_when_one_process_is_killed(
     try:
         syncer.wait_for("merge of the two-process learner", lambda s: merged_tokens(s, "multi") > 0)
         syncer.wait_for("merge of the ordinary learner", lambda s: merged_tokens(s, "plain") > 0)
-        procs[1].send_signal(signal.SIGKILL)
+        survivor = 1 - killed
+        procs[killed].send_signal(signal.SIGKILL)
         try:
-            procs[0].wait(timeout=EXIT_BOUND_S)
+            procs[survivor].wait(timeout=EXIT_BOUND_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"process 0 still runs {EXIT_BOUND_S} s after process 1 was killed")
-        err = logs[0].read_text()
-        assert procs[0].returncode == EXIT_LEARNER_LOST, f"process 0 exited {procs[0].returncode}:\n{err[-3000:]}"
+            pytest.fail(f"process {survivor} still runs {EXIT_BOUND_S} s after process {killed} was killed")
+        err = logs[survivor].read_text()
+        code = procs[survivor].returncode
+        assert code == EXIT_LEARNER_LOST, f"process {survivor} exited {code}:\n{err[-3000:]}"
         assert "another process of this learner is gone" in err, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
         syncer.wait_for(
