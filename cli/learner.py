@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from ddiloco.cli import user_input
+from ddiloco.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +64,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="learners sharing a GPU: no preallocation, and at most this share of its memory each "
         "(e.g. 0.42 for two; without it JAX takes 75%% of the GPU in the first process)",
     )
+    # One learner over several processes (hosts): every process runs this command with the same
+    # flags but its own --process-id; process 0 talks to the syncer (learner/multihost.py).
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="spread this learner over several JAX processes: process 0's address for jax.distributed "
+        "(the same on every process; process 0 listens on PORT)",
+    )
+    p.add_argument("--num-processes", type=int, default=1, help="with --coordinator: the learner's processes")
+    p.add_argument("--process-id", type=int, default=0, help="with --coordinator: this process's index, 0 to N-1")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.reference import data, model
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.coordinator is not None:
+        return _run_multiprocess(args)
+    if args.num_processes != 1 or args.process_id != 0:
+        raise UserError("--num-processes and --process-id need --coordinator (process 0's HOST:PORT)")
     if spec is not None:
         logging.getLogger("ddiloco.learner").info("devices %s: %s", spec, devices.check_devices(spec))
     shard = data.Shard.parse(args.shard)
@@ -115,4 +131,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddiloco learner: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary))
+    return 0
+
+
+def _run_multiprocess(args: argparse.Namespace) -> int:
+    """This process's part of one learner over --num-processes processes (learner/multihost.py)."""
+    from ddiloco.demo.learner_process import LearnerConfig
+    from ddiloco.demo.multiprocess_learner import ProcessSetup, run_multiprocess_learner
+    from ddiloco.learner.multihost import LearnerProcessLost, check_process_args, exit_lost, initialize_processes
+    from ddiloco.net.auth import read_token_file
+    from ddiloco.net.client import SyncerRefused
+    from ddiloco.reference import data, model
+
+    if args.record is not None or args.restore is not None:
+        raise UserError("--record and --restore are for a learner of one process (not with --coordinator)")
+    if args.speed != 1.0:
+        raise UserError("--speed is for a learner of one process (not with --coordinator)")
+    check_process_args(args.coordinator, args.num_processes, args.process_id)
+    shard = data.Shard.parse(args.shard)
+    with user_input():
+        cfg = LearnerConfig(
+            syncer=args.syncer,
+            name=args.name or f"learner-{shard.index}",
+            shard=shard,
+            token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
+            ca_file=args.tls_ca,
+            model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
+            train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
+            batch=args.batch,
+            seed=args.seed,
+            codec=args.codec,
+            steps_total=args.steps,
+            log_file=args.log_file,
+            cache_dir=args.cache_dir,
+            peer=None,
+        )
+    setup = ProcessSetup(args.coordinator, args.num_processes, args.process_id)
+    initialize_processes(setup.coordinator, setup.num_processes, setup.process_id)
+    try:
+        summary = run_multiprocess_learner(cfg, setup)
+    except LearnerProcessLost as exc:
+        exit_lost(exc)  # never returns: the interpreter's exit would wait for the dead process
+    except (SyncerRefused, TimeoutError) as exc:
+        # Only process 0 talks to the syncer. It leaves at once (os._exit, not the interpreter's
+        # exit, which would wait in jax.distributed's shutdown barrier for the others); the
+        # others see it gone (LearnerProcessLost) and leave too.
+        print(f"ddiloco learner: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    print(json.dumps(summary), flush=True)
     return 0
