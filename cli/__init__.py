@@ -75,19 +75,25 @@ def user_input() -> Iterator[None]:
         raise UserError(str(exc)) from exc
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or with `command` of that one only (the others listed by name):
+    a subcommand's module imports what its flags need (the status command: urllib and ssl), and a
+    restarted syncer should not pay for the other commands' imports before it listens."""
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo syncer, learners and tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_module=module)
+        if command is None or name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
     except DdilocoError as exc:

@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.core import checkpoint, syncer
     from ddiloco.net import server, store
     from ddiloco.net.auth import check_exposure, read_token_file
+    from ddiloco.net.warmup import syncer_warmup
 
     settings = resolve_settings(args, dict(os.environ))
     v = settings.values
@@ -269,7 +270,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("checkpoints of run %s go to %s", daemon.checkpoints.store.run, daemon.checkpoints.store.directory)
     daemon.tape = _open_tape(v, state, log)
     server.use_uvloop()
-    asyncio.run(daemon.serve_forever(warmup=kernels.warmup))  # after listening: a restart's outage is shorter
+    kernels.skip_blas_probe()  # this process imports no scipy: numba's first kernel loads faster without it
+    # The kernels load after listening, beside the learners' reconnection: a restart's outage is shorter.
+    asyncio.run(daemon.serve_forever(warmup=syncer_warmup(state.config, state.layout)))
     # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
     return 0 if daemon.checkpoints.healthy else 1
 

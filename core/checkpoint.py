@@ -217,9 +217,18 @@ def _checked_state(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState
 def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
     config = from_mapping(manifest["config"])
     layout = layout_from_description(manifest["layout"])
-    params = [arrays[f"theta/{p}"] for p in range(layout.num_fragments)]
-    state = new_state(config, layout, params)
+    # The parameters are checked here, with numpy, rather than by new_state's kernel: a resumed syncer
+    # reads its checkpoint before it listens, and the kernels' first call costs a second (numba).
+    state = new_state(config, layout)
     for p, frag in enumerate(state.fragments):
+        theta = arrays[f"theta/{p}"]
+        if theta.dtype != np.float32 or theta.shape != (layout.fragments[p].padded_size,):
+            raise CheckpointError(f"fragment {p}'s arrays do not have the size its layout gives it")
+        if not _all_finite(theta):
+            raise CheckpointError(f"fragment {p} has NaN or Inf values")
+        if not theta.flags.writeable or not theta.flags.c_contiguous:
+            theta = np.ascontiguousarray(theta).copy()  # the syncer owns and updates its fragments in place
+        frag.theta = theta
         frag.momentum = NesterovState(buf=arrays[f"momentum/{p}"])
         frag.version = int(manifest["versions"][p])
         frag.rounds_opened = int(manifest["rounds_opened"][p])
@@ -240,3 +249,13 @@ def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
         if frag.theta.shape != (layout.fragments[p].padded_size,) or frag.momentum.buf.shape != frag.theta.shape:
             raise CheckpointError(f"fragment {p}'s arrays do not have the size its layout gives it")
     return state
+
+
+_FINITE_CHUNK_ELEMENTS = 1 << 20  # numpy's isfinite makes a bool per element: a chunk at a time
+
+
+def _all_finite(values: np.ndarray) -> bool:
+    return all(
+        bool(np.isfinite(values[i : i + _FINITE_CHUNK_ELEMENTS]).all())
+        for i in range(0, values.size, _FINITE_CHUNK_ELEMENTS)
+    )

@@ -73,17 +73,11 @@ class Codec(str, enum.Enum):
 _IDENTS = {Codec.FP32: 1, Codec.BF16: 2, Codec.INT4: 3, Codec.INT2: 4, Codec.INT1: 5}
 _BY_IDENT = {v: k for k, v in _IDENTS.items()}
 _CODES_PER_BYTE = {Codec.INT4: 2, Codec.INT2: 4, Codec.INT1: 8}
-_QUANTIZE = {Codec.INT4: kernels.quantize_int4, Codec.INT2: kernels.quantize_int2, Codec.INT1: kernels.quantize_int1}
-_DEQUANTIZE = {
-    Codec.INT4: kernels.dequantize_int4,
-    Codec.INT2: kernels.dequantize_int2,
-    Codec.INT1: kernels.dequantize_int1,
-}
-_ACCUMULATE = {
-    Codec.INT4: kernels.accumulate_int4,
-    Codec.INT2: kernels.accumulate_int2,
-    Codec.INT1: kernels.accumulate_int1,
-}
+# The kernels by name, looked up at the call: `kernels` imports numba on first use (its __init__),
+# and a syncer imports this module before it listens, numba after.
+_QUANTIZE = {Codec.INT4: "quantize_int4", Codec.INT2: "quantize_int2", Codec.INT1: "quantize_int1"}
+_DEQUANTIZE = {Codec.INT4: "dequantize_int4", Codec.INT2: "dequantize_int2", Codec.INT1: "dequantize_int1"}
+_ACCUMULATE = {Codec.INT4: "accumulate_int4", Codec.INT2: "accumulate_int2", Codec.INT1: "accumulate_int1"}
 
 
 def parse_codec(name: str | Codec) -> Codec:
@@ -117,7 +111,7 @@ class Encoded:
             return self.data.copy()
         if self.codec is Codec.BF16:
             return kernels.from_bf16(self.data, parallel=parallel)
-        return _DEQUANTIZE[self.codec](self.data, self.scales, self.block, parallel=parallel)
+        return getattr(kernels, _DEQUANTIZE[self.codec])(self.data, self.scales, self.block, parallel=parallel)
 
     def accumulate_into(self, acc: np.ndarray, weight: float, *, parallel: bool = True) -> None:
         """acc += weight * decode(self), fused for every codec but bf16."""
@@ -126,7 +120,9 @@ class Encoded:
         elif self.codec is Codec.BF16:
             kernels.accumulate(acc, weight, kernels.from_bf16(self.data, parallel=parallel), parallel=parallel)
         else:
-            _ACCUMULATE[self.codec](acc, weight, self.data, self.scales, self.block, parallel=parallel)
+            getattr(kernels, _ACCUMULATE[self.codec])(
+                acc, weight, self.data, self.scales, self.block, parallel=parallel
+            )
 
     def segment_sumsq(self, offsets: np.ndarray, *, parallel: bool = True) -> np.ndarray:
         """float64[k] sums of squares of each tensor (the squared norms RDA needs)."""
@@ -169,7 +165,7 @@ def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT
     n = x.size
     if codec.is_block:
         _check_block(codec, block, n)
-        codes, scales = _QUANTIZE[codec](x, block, parallel=parallel)
+        codes, scales = getattr(kernels, _QUANTIZE[codec])(x, block, parallel=parallel)
         body = [_bytes_of(scales), _bytes_of(codes)]
     elif codec is Codec.BF16:
         body, block = [_bytes_of(kernels.to_bf16(x, parallel=parallel))], 0

@@ -292,10 +292,11 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 def restart_timeline(log_text: str, wall_started: float, killed_at: float, restarted_at: float) -> dict:
     """The restart of a killed syncer, step by step, in the demo's seconds: the kill and the restart
-    (the supervisor's), then from the restarted syncer's log: its first line (interpreter and
-    imports), listening (checkpoint read, server up), kernels warmed up (on the core thread, while
-    the learners reconnect), the first learner joined (behind the warm-up), its first merge; and
-    the phases between them. The outage is the kill to that merge, to the log's millisecond."""
+    (the supervisor's), then from the restarted syncer's log: its first line (interpreter, imports
+    and the checkpoint read), listening (server up), kernels warmed up (the first stage, on a thread
+    of its own while the learners reconnect: nothing waits for it, but a merge needs its kernels),
+    the first learner joined, its first merge; and the phases between them. The outage is the kill
+    to that merge, to the log's millisecond."""
     at: dict[str, float | None] = {"killed_at": killed_at, "restarted_at": restarted_at}
     for key, _ in _RESTART_STEPS:
         at[key] = None

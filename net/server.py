@@ -36,8 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,6 +164,9 @@ class SyncerServer:
         self._stopping = False
         self._background: set[asyncio.Task] = set()
         self._snapshot_waiters: list[asyncio.Future] = []  # the event loop's
+        # Set once the first stage of the kernels' warm-up has run (None: no warm-up).
+        self.warmed_up: threading.Event | None = None
+        self._loading = False  # the current event began before the warm-up's first stage was done
         self.sessions = Sessions(
             config,
             self.metrics,
@@ -276,19 +280,17 @@ class SyncerServer:
         self.core.close()
         self._stopped.set()
 
-    async def serve_forever(self, warmup: Callable[[], None] | None = None) -> None:
+    async def serve_forever(self, warmup: Sequence[Callable[[], None]] = ()) -> None:
         """Run until SIGTERM or SIGINT, then stop with a checkpoint. Raises CoreFailed when the core
-        failed (the daemon has stopped by then). `warmup` (the kernels' compilation) runs on the core
-        thread before any item: after the daemon listens, so that the learners reconnect and say
-        hello meanwhile (a restarted syncer's outage), and before the first merge, whose measured
-        cost would otherwise include it (it sets the grace window, core.grace)."""
+        failed (the daemon has stopped by then). `warmup` (the kernels' loading, net.warmup) runs
+        after the daemon listens, on a thread of its own (`start_warmup`)."""
         loop = asyncio.get_running_loop()
         signalled = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signalled.set)
         await self.start()
-        if warmup is not None:
-            self._spawn(self.core.call(lambda: _timed_warmup(warmup)))
+        if warmup:
+            self.start_warmup(warmup)
         waits = [asyncio.ensure_future(signalled.wait()), asyncio.ensure_future(self._stopped.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
@@ -299,6 +301,35 @@ class SyncerServer:
         await self._stopped.wait()  # a stop begun by the core's failure
         if self.failure is not None:
             raise self.failure
+
+    def start_warmup(self, stages: Sequence[Callable[[], None]]) -> threading.Thread:
+        """Run the warm-up's stages in order on a thread of its own, while the core thread serves.
+        A restarted syncer's learners reconnect meanwhile: nothing the core thread does waits for the
+        warm-up (a hello's welcome and the resumed fragments need no kernel, and progress opens the
+        rounds). A merge that comes before its kernels are loaded loads them itself (numba's compiler
+        lock makes it wait for the one the warm-up is loading); the cost it reports is then capped at
+        the syncer's estimate (`_merge_cost`), so loading kernels never widens the grace window."""
+        assert self.warmed_up is None, "the warm-up runs once"
+        warmed_up = self.warmed_up = threading.Event()
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                for i, stage in enumerate(stages):
+                    stage()
+                    if i == 0:
+                        log.info("kernels warmed up in %.2f s", time.perf_counter() - started)
+                        warmed_up.set()
+                if len(stages) > 1:
+                    log.info("all kernels warmed up in %.2f s", time.perf_counter() - started)
+            except Exception as exc:  # a bug in the warm-up: the kernels then load at their first call
+                log.error("kernel warm-up failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            finally:
+                warmed_up.set()
+
+        thread = threading.Thread(target=run, name="ddiloco-warmup", daemon=True)
+        thread.start()
+        return thread
 
     async def _stop_on_core_failure(self) -> None:
         failure = await self.core.failed()
@@ -389,6 +420,7 @@ class SyncerServer:
             self.shell.handle(event, now)
 
     def _before(self, event, now: float) -> None:
+        self._loading = self.warmed_up is not None and not self.warmed_up.is_set()
         self.recorder.before(event, now)
         problem = self.snapshots.record(event)  # after the cut, before the learner's local state: in flight
         if problem:
@@ -401,6 +433,11 @@ class SyncerServer:
 
     def _merge_cost(self, spent_s: float) -> tuple[float, float]:
         self.metrics.merge_kernel_s += spent_s
+        estimate = self.shell.state.timing.sync_s
+        if self._loading and estimate is not None:
+            # The event began before the warm-up's first stage was done: its time may be mostly the
+            # loading of kernels, which says nothing of the next merges (the grace window's sync time).
+            return min(spent_s, estimate), 0.0
         return spent_s, 0.0
 
     def _start_snapshot(self, item: SnapshotStart, now: float) -> None:
@@ -475,12 +512,6 @@ class SyncerServer:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed: %r", task.exception())
-
-
-def _timed_warmup(warmup: Callable[[], None]) -> None:
-    started = time.perf_counter()
-    warmup()
-    log.info("kernels warmed up in %.2f s", time.perf_counter() - started)
 
 
 def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:

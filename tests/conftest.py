@@ -5,6 +5,7 @@ process to need a kernel would pay it inside whatever the test measures: a synce
 deadline, a grace window. A child process does it so that this one starts no OpenMP pool.
 """
 
+import importlib
 import subprocess
 import sys
 
@@ -18,6 +19,9 @@ def _kernels_compiled_on_disk():
     subprocess.run(
         [sys.executable, "-c", "from ddiloco import kernels; kernels.warmup()"], check=True, timeout=WARMUP_S_MAX
     )
+    # The kernels' modules (and numba, a second of imports) load on first use (ddiloco.kernels): here,
+    # once, rather than inside the first test that merges, whose deadlines would count them. Nothing runs.
+    importlib.import_module("ddiloco.kernels._warmup")
 
 
 def _self_signed_with_cryptography(cert_path, key_path):
