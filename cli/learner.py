@@ -8,9 +8,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddiloco.cli import user_input
 from ddiloco.errors import UserError
+
+if TYPE_CHECKING:  # the learner extra (jax) is imported only when a learner runs
+    from ddiloco.demo.learner_process import LearnerConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,9 +90,7 @@ def run(args: argparse.Namespace) -> int:
     spec = devices.parse_devices(args.devices) if args.devices is not None else None
     if spec is not None or args.memory_fraction is not None:
         devices.apply_devices(spec or devices.DeviceSpec("all"), args.memory_fraction)
-    from ddiloco.demo.learner_process import LearnerConfig, run_learner
-    from ddiloco.net.auth import read_token_file
-    from ddiloco.reference import data, model
+    from ddiloco.demo.learner_process import run_learner
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.coordinator is not None:
@@ -97,27 +99,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--num-processes and --process-id need --coordinator (process 0's HOST:PORT)")
     if spec is not None:
         logging.getLogger("ddiloco.learner").info("devices %s: %s", spec, devices.check_devices(spec))
-    shard = data.Shard.parse(args.shard)
-    with user_input():  # the configs check the values the flags gave
-        cfg = LearnerConfig(
-            syncer=args.syncer,
-            name=args.name or f"learner-{shard.index}",
-            shard=shard,
-            # The syncer is where a shared token file is refused; a learner reading one only warns.
-            token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
-            ca_file=args.tls_ca,
-            model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
-            train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
-            batch=args.batch,
-            seed=args.seed,
-            codec=args.codec,
-            steps_total=args.steps,
-            speed=args.speed,
-            log_file=args.log_file,
-            cache_dir=args.cache_dir,
-            record=args.record,
-            restore=args.restore,
-        )
+    cfg = _learner_config(args, speed=args.speed, record=args.record, restore=args.restore)
     from ddiloco.core.tape import TapeError
     from ddiloco.net.client import SyncerRefused
 
@@ -136,36 +118,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_multiprocess(args: argparse.Namespace) -> int:
     """This process's part of one learner over --num-processes processes (learner/multihost.py)."""
-    from ddiloco.demo.learner_process import LearnerConfig
     from ddiloco.demo.multiprocess_learner import ProcessSetup, run_multiprocess_learner
     from ddiloco.learner.multihost import LearnerProcessLost, check_process_args, exit_lost, initialize_processes
-    from ddiloco.net.auth import read_token_file
     from ddiloco.net.client import SyncerRefused
-    from ddiloco.reference import data, model
 
     if args.record is not None or args.restore is not None:
         raise UserError("--record and --restore are for a learner of one process (not with --coordinator)")
     if args.speed != 1.0:
         raise UserError("--speed is for a learner of one process (not with --coordinator)")
     check_process_args(args.coordinator, args.num_processes, args.process_id)
-    shard = data.Shard.parse(args.shard)
-    with user_input():
-        cfg = LearnerConfig(
-            syncer=args.syncer,
-            name=args.name or f"learner-{shard.index}",
-            shard=shard,
-            token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
-            ca_file=args.tls_ca,
-            model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
-            train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
-            batch=args.batch,
-            seed=args.seed,
-            codec=args.codec,
-            steps_total=args.steps,
-            log_file=args.log_file,
-            cache_dir=args.cache_dir,
-            peer=None,
-        )
+    cfg = _learner_config(args, peer=None)
     setup = ProcessSetup(args.coordinator, args.num_processes, args.process_id)
     initialize_processes(setup.coordinator, setup.num_processes, setup.process_id)
     try:
@@ -180,3 +142,30 @@ def _run_multiprocess(args: argparse.Namespace) -> int:
         os._exit(1)
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def _learner_config(args: argparse.Namespace, **only_some: object) -> LearnerConfig:
+    """The learner's settings from the flags both kinds of learner share; `only_some`: the rest."""
+    from ddiloco.demo.learner_process import LearnerConfig
+    from ddiloco.net.auth import read_token_file
+    from ddiloco.reference import data, model
+
+    shard = data.Shard.parse(args.shard)
+    with user_input():  # the configs check the values the flags gave
+        return LearnerConfig(
+            syncer=args.syncer,
+            name=args.name or f"learner-{shard.index}",
+            shard=shard,
+            # The syncer is where a shared token file is refused; a learner reading one only warns.
+            token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
+            ca_file=args.tls_ca,
+            model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
+            train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
+            batch=args.batch,
+            seed=args.seed,
+            codec=args.codec,
+            steps_total=args.steps,
+            log_file=args.log_file,
+            cache_dir=args.cache_dir,
+            **only_some,
+        )
