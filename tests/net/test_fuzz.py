@@ -46,8 +46,10 @@ def test_a_core_that_dies_is_counted_and_fails_the_run(monkeypatch, capsys, tmp_
 
     monkeypatch.setattr(syncer, "handle", dies_on_a_hostile_hello)
     written = tmp_path / "fuzz.json"
-    # bounded by frames, not seconds: a loaded machine may spend seconds before the first hostile hello
-    argv = ["fuzz", "--seconds", "300", "--frames", "300", "--seed", "1", "--batch", "20", "--json", str(written)]
+    # Bounded by frames, not seconds: a loaded machine may spend seconds before the first hostile hello.
+    # One frame: the run ends after its first batch, the one whose hostile hello kills the core (each
+    # further batch would start a fresh daemon only to kill it again: 150 s at 300 frames under load).
+    argv = ["fuzz", "--seconds", "300", "--frames", "1", "--seed", "1", "--batch", "20", "--json", str(written)]
     assert main(argv) == 1
     out = capsys.readouterr().out
     doc = json.loads(written.read_text())
