@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import numpy as np
 import orjson
 
@@ -143,6 +144,16 @@ def test_replay_of_a_bad_tape_exits_non_zero_with_the_reason(tmp_path, capsys):
     assert "not a ddiloco tape" in capsys.readouterr().err
 
 
+MERGE_WAIT_S = 120.0  # generous: under CI load the first merge of a fresh daemon took over 30 ticks
+
+
+async def syncer_merges(http: aiohttp.ClientSession, port: int) -> int:
+    """The daemon's own count of merges, from its read-only /status."""
+    async with http.get(f"http://127.0.0.1:{port}/status") as response:
+        assert response.status == 200, f"/status answered {response.status}"
+        return (await response.json())["merges"]
+
+
 async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, capsys):
     import re
     import signal
@@ -177,9 +188,14 @@ async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, c
             port = int(m.group(1)) if m else None
         a = Learner(f"ws://127.0.0.1:{port}/ws", "a", 1)
         await a.welcome()
-        for _ in range(30):
-            a.tick()
-            await asyncio.sleep(0.02)  # pacing only: what is checked is the tape, whatever it holds
+        # Train until the daemon says it merged (a loaded machine may need many ticks for the first
+        # merge), so that the tape has a merge for the replay to check.
+        async with aiohttp.ClientSession() as http:
+            deadline = loop.time() + MERGE_WAIT_S
+            while await syncer_merges(http, port) < 1:
+                assert loop.time() < deadline, f"the syncer merged nothing within {MERGE_WAIT_S} s of ticks"
+                a.tick()
+                await asyncio.sleep(0.02)  # a step's time: the pushes answering this tick's requests arrive
         await a.kill()
     finally:
         proc.send_signal(signal.SIGTERM)
