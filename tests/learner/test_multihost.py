@@ -10,6 +10,10 @@ process I ...` or `plain ...`; a child cannot import a test module, but it can r
 script). Both learners' pushes merge; then one process of the two-process learner is killed
 (process 1; the leader keeps the connection): the other exits with LearnerProcessLost's message within the collective timeout, the syncer sees that
 learner leave, and it goes on merging the ordinary learner's pushes.
+
+The ordinary learner starts training only once the two-process learner has merged: with quorum 1 the
+fastest learner opens the rounds, and a loaded machine once let it run thousands of rounds ahead
+while every push of the slower two-process learner arrived after its round had closed (late).
 """
 
 from __future__ import annotations
@@ -248,9 +252,11 @@ def test_a_two_process_learner_merges_and_dies_whole_when_one_process_is_killed(
     coordinator = f"127.0.0.1:{free_port()}"
     logs = [tmp_path / f"process-{i}.log" for i in range(2)]
     procs = [child(["process", str(i), syncer.url, coordinator], logs[i]) for i in range(2)]
-    plain = child(["plain", syncer.url], tmp_path / "plain.log")
+    gate = tmp_path / "plain-may-train"
+    plain = child(["plain", syncer.url, str(gate)], tmp_path / "plain.log")  # starts up meanwhile, then waits
     try:
         syncer.wait_for("merge of the two-process learner", lambda s: merged_tokens(s, "multi") > 0)
+        gate.touch()
         syncer.wait_for("merge of the ordinary learner", lambda s: merged_tokens(s, "plain") > 0)
         survivor = 1 - killed
         procs[killed].send_signal(signal.SIGKILL)
@@ -314,9 +320,15 @@ def run_process(index: int, url: str, coordinator: str) -> None:
     sync.close()
 
 
-def run_plain(url: str) -> None:
+def run_plain(url: str, gate: str) -> None:
+    """The learner "plain"; it connects once the file `gate` exists (the parent's go)."""
     from ddiloco.learner.sync import DilocoSync
 
+    deadline = time.monotonic() + CHILD_DEADLINE_S
+    while not Path(gate).exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"plain: no go ({gate}) within {CHILD_DEADLINE_S} s")
+        time.sleep(0.05)
     with DilocoSync.connect(model(0), SyncConfig(url=url, name="plain", token=TOKEN)) as sync:
         _train(lambda p: sync.step(p, tokens=16), model(0), lambda n: {"plain": n, "versions": sync.versions})
 
@@ -325,4 +337,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "process":
         run_process(int(sys.argv[2]), sys.argv[3], sys.argv[4])
     else:
-        run_plain(sys.argv[2])
+        run_plain(sys.argv[2], sys.argv[3])
