@@ -64,6 +64,9 @@ class DemoConfig:
     # (learner.devices.visible_gpu_count, without starting JAX in the supervisor); 0 keeps every
     # learner on what JAX finds, as on a host without GPUs.
     gpus: int | None = None
+    # The learners' JAX persistent compilation cache; None: <workdir>/jax-cache. Runs that share one
+    # (the tests' demo runs) compile the training step once.
+    cache_dir: Path | None = None
 
     @property
     def token_budget(self) -> int:

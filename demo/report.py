@@ -179,6 +179,7 @@ def report_text(r: DemoReport) -> str:
 
 def report_json(r: DemoReport) -> dict:
     doc = asdict(r)
-    if doc["config"].get("record") is not None:
-        doc["config"]["record"] = str(doc["config"]["record"])
+    for key in ("record", "restore", "cache_dir"):  # the config's paths
+        if doc["config"].get(key) is not None:
+            doc["config"][key] = str(doc["config"][key])
     return doc

@@ -411,7 +411,7 @@ def learner_argv(
         "--name",
         name,
         "--cache-dir",
-        str(work / "jax-cache"),
+        str(cfg.cache_dir or work / "jax-cache"),
         "--log-file",
         str(work / f"learner{lr.index}.jsonl"),
         *devices.argv(),

@@ -24,6 +24,15 @@ def _kernels_compiled_on_disk():
     importlib.import_module("ddiloco.kernels._warmup")
 
 
+@pytest.fixture(scope="session")
+def jax_cache_dir(tmp_path_factory):
+    """One JAX persistent compilation cache for every learner process the tests start: the
+    reference model's training step compiles once per session, not once per test (a learner
+    process of 10 steps, measured on a loaded 2-core machine: 25 s cold, 14 s warm). No test checks
+    compilation itself; each still starts its own processes."""
+    return tmp_path_factory.mktemp("jax-cache")
+
+
 def _self_signed_with_cryptography(cert_path, key_path):
     import datetime
     import ipaddress

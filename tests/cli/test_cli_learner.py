@@ -10,7 +10,7 @@ import threading
 import urllib.request
 
 
-def learner(port, tmp_path, shard, steps=100, token=True, *extra):
+def learner(port, tmp_path, shard, steps=100, token=True, *extra, cache_dir):
     args = [
         sys.executable,
         "-m",
@@ -27,7 +27,7 @@ def learner(port, tmp_path, shard, steps=100, token=True, *extra):
         "--speed",
         "0.25",
         "--cache-dir",
-        str(tmp_path / "jax"),
+        str(cache_dir),
         "--seed",
         shard[0],
         *extra,
@@ -42,11 +42,11 @@ def drain(proc, sink):
     threading.Thread(target=lambda: sink.extend(proc.stderr), daemon=True).start()
 
 
-def test_two_learner_processes_train_through_the_syncer(tmp_path, start_syncer):
+def test_two_learner_processes_train_through_the_syncer(tmp_path, start_syncer, jax_cache_dir):
     syncer, port, log = start_syncer(tmp_path, "--fragments", "4", "--period", "4")
     drain(syncer, log)
     try:
-        learners = [learner(port, tmp_path, f"{i}/2") for i in range(2)]
+        learners = [learner(port, tmp_path, f"{i}/2", cache_dir=jax_cache_dir) for i in range(2)]
         outs = [p.communicate(timeout=300) for p in learners]
         for p, (out, err) in zip(learners, outs):
             assert p.returncode == 0, err[-2000:]
@@ -61,7 +61,7 @@ def test_two_learner_processes_train_through_the_syncer(tmp_path, start_syncer):
     assert any("checkpoint" in line for line in log)
 
 
-def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
+def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer, jax_cache_dir):
     syncer, port, log = start_syncer(tmp_path)
     drain(syncer, log)
     try:
@@ -79,7 +79,7 @@ def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
                 "--steps",
                 "5",
                 "--cache-dir",
-                str(tmp_path / "jax"),
+                str(jax_cache_dir),
             ],
             capture_output=True,
             text=True,
@@ -91,7 +91,9 @@ def test_wrong_token_and_wrong_url_are_clear(tmp_path, start_syncer):
         syncer.wait(60)
 
 
-def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(tmp_path, start_syncer, self_signed_cert):
+def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(
+    tmp_path, start_syncer, self_signed_cert, jax_cache_dir
+):
     cert, key = self_signed_cert
     syncer, port, log = start_syncer(
         tmp_path, "--fragments", "2", "--period", "2", "--tls-cert", str(cert), "--tls-key", str(key)
@@ -110,7 +112,7 @@ def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(tmp_pat
         "--batch",
         "4",
         "--cache-dir",
-        str(tmp_path / "jax"),
+        str(jax_cache_dir),
     ]
     try:
         refused = subprocess.run([*common, "--steps", "5"], capture_output=True, text=True, timeout=300, check=False)
@@ -130,7 +132,9 @@ def test_a_learner_trains_over_wss_with_the_ca_and_is_refused_without_it(tmp_pat
         assert syncer.wait(60) == 0
 
 
-def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_both_sides(tmp_path, start_syncer):
+def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_both_sides(
+    tmp_path, start_syncer, jax_cache_dir
+):
     syncer, port, log = start_syncer(tmp_path, "--fragments", "16", "--period", "16")  # the reference model: 15 tensors
     drain(syncer, log)
     try:
@@ -149,7 +153,7 @@ def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_
                 "--steps",
                 "5",
                 "--cache-dir",
-                str(tmp_path / "jax"),
+                str(jax_cache_dir),
             ],
             capture_output=True,
             text=True,
@@ -169,18 +173,20 @@ def test_a_syncer_with_more_fragments_than_the_model_has_tensors_is_one_line_on_
     assert "'small'" in warned and "15 tensors" in warned and "--fragments 15 or fewer" in warned, log
 
 
-def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(tmp_path, start_syncer):
+def test_a_learner_joining_after_another_spent_its_budget_trains_its_own_steps(tmp_path, start_syncer, jax_cache_dir):
     syncer, port, log = start_syncer(tmp_path, "--fragments", "4", "--period", "4")
     drain(syncer, log)
     steps = 30
     try:
-        first = learner(port, tmp_path, "0/2", steps=steps)
+        first = learner(port, tmp_path, "0/2", steps=steps, cache_dir=jax_cache_dir)
         out, err = first.communicate(timeout=300)
         assert first.returncode == 0, err[-2000:]
         spent = json.loads(out.strip().splitlines()[-1])
         assert spent["steps"] == steps and spent["last_step"] >= steps
         # joins at the global step the first one left
-        late = learner(port, tmp_path, "1/2", steps, True, "--log-file", str(tmp_path / "late.jsonl"))
+        late = learner(
+            port, tmp_path, "1/2", steps, True, "--log-file", str(tmp_path / "late.jsonl"), cache_dir=jax_cache_dir
+        )
         out, err = late.communicate(timeout=300)
         assert late.returncode == 0, err[-2000:]
     finally:
@@ -222,11 +228,11 @@ def test_a_gpu_asked_for_on_a_host_jax_sees_none_on_is_refused_before_joining():
     assert "--devices 0: asked for 1 GPU(s), JAX sees cpu:0" in done.stderr
 
 
-def test_a_learner_on_devices_cpu_trains_and_says_so(tmp_path, start_syncer):
+def test_a_learner_on_devices_cpu_trains_and_says_so(tmp_path, start_syncer, jax_cache_dir):
     syncer, port, log = start_syncer(tmp_path, "--fragments", "2", "--period", "2")
     drain(syncer, log)
     try:
-        proc = learner(port, tmp_path, "0/1", 10, True, "--devices", "cpu")
+        proc = learner(port, tmp_path, "0/1", 10, True, "--devices", "cpu", cache_dir=jax_cache_dir)
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
         assert "devices cpu: cpu:0" in err

@@ -15,7 +15,7 @@ from ddiloco.demo.supervisor import run_demo
 from ddiloco.net import snapshot as snapshots
 
 
-def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_full(tmp_path):
+def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_full(tmp_path, jax_cache_dir):
     # Slowed down: at full speed these tiny learners would train their whole step cap while the
     # syncer restarts, and end before the learner's kill comes due.
     cfg = DemoConfig(
@@ -31,6 +31,7 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
         checkpoint_every_s=0.5,
         choice_items=32,
         record=tmp_path / "rec",
+        cache_dir=jax_cache_dir,
     )
     report = run_demo(cfg, tmp_path, out=open(tmp_path / "live.txt", "w"))
     assert report.kills == 1 and report.recoveries == 1  # the killed learner was started again
@@ -79,7 +80,7 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     assert len(replayed["learners"]) >= 2 and replayed["updates_checked"] > 0
 
 
-def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
+def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path, jax_cache_dir):
     # Long enough for several snapshots while both learners train (they do ~25 steps/s here).
     first = DemoConfig(
         learners=2,
@@ -90,6 +91,7 @@ def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
         snapshot_every_s=0.5,
         checkpoint_every_s=0.5,
         choice_items=16,
+        cache_dir=jax_cache_dir,
     )
     run_demo(first, tmp_path / "first", out=open(tmp_path / "first.txt", "w"))
     taken = sorted(
@@ -108,6 +110,7 @@ def test_a_demo_restarts_from_a_snapshot_of_another_run(tmp_path):
         baseline=False,
         restore=taken[0],
         choice_items=16,
+        cache_dir=jax_cache_dir,
     )
     report = run_demo(again, tmp_path / "again", out=open(tmp_path / "again.txt", "w"))
 

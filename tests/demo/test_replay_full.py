@@ -78,7 +78,7 @@ def _syncer(tmp_path, rec):
     return proc, int(found.group(1))
 
 
-def _learner(tmp_path, rec, port, name, shard, seed, steps, speed=1.0):
+def _learner(tmp_path, rec, port, name, shard, seed, steps, cache_dir, speed=1.0):
     log = open(tmp_path / f"{name}.log", "a")
     proc = subprocess.Popen(
         [
@@ -103,7 +103,7 @@ def _learner(tmp_path, rec, port, name, shard, seed, steps, speed=1.0):
             "--speed",
             str(speed),
             "--cache-dir",
-            str(tmp_path / "jax-cache"),
+            str(cache_dir),
             "--record",
             str(rec / "learners" / name),
         ],
@@ -125,7 +125,7 @@ def _step(port, learner_id):
 
 
 @pytest.fixture(scope="module")
-def recording(tmp_path_factory):
+def recording(tmp_path_factory, jax_cache_dir):
     tmp_path = tmp_path_factory.mktemp("replay-full")
     write_token_file(tmp_path / "token", TOKEN)
     rec = tmp_path / "rec"
@@ -133,15 +133,15 @@ def recording(tmp_path_factory):
     procs = []
     try:
         # a: the peer, slow so that it is still training when b comes back; b: killed and restarted.
-        procs.append(_learner(tmp_path, rec, port, "a.0", "0/2", 1, 10**6, speed=0.3))
-        b = _learner(tmp_path, rec, port, "b.0", "1/2", 2, 10**6)
+        procs.append(_learner(tmp_path, rec, port, "a.0", "0/2", 1, 10**6, jax_cache_dir, speed=0.3))
+        b = _learner(tmp_path, rec, port, "b.0", "1/2", 2, 10**6, jax_cache_dir)
         procs.append(b)
         first_b = _wait("live learner b", lambda: _live(port, "b"))[0]
         _wait("three merges", lambda: _status(port)["merges"] >= 3)
         b.send_signal(signal.SIGKILL)
         b.wait(30)
         # b.1 copies a's step, which runs on while b.1 compiles: it trains until told to stop.
-        b1 = _learner(tmp_path, rec, port, "b.1", "1/2", 3, 10**6)
+        b1 = _learner(tmp_path, rec, port, "b.1", "1/2", 3, 10**6, jax_cache_dir)
         procs.append(b1)
         (b1_id,) = _wait("b rejoined", lambda: _live(port, "b", not_id=first_b))
         rejoined_at = _step(port, b1_id)
@@ -159,8 +159,8 @@ def recording(tmp_path_factory):
     return rec, tmp_path
 
 
-def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording):
-    rec, tmp_path = recording
+def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording, jax_cache_dir):
+    rec, _ = recording
     b1 = ltapes.read(rec / "learners" / "b.1")
     (recovered,) = b1.of("recover")
     assert recovered["source"].startswith("peer") and recovered["snapshot"], "b.1 should copy a's state"
@@ -171,7 +171,7 @@ def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording):
     # A restart cut short by the end of the run: its tape has a header and nothing else.
     ltapes.LearnerTapeWriter.create(rec / "learners" / "c.0", ltapes.read(rec / "learners" / "b.1").config).abandon()
 
-    result = full.replay_full(rec, cache_dir=tmp_path / "jax-cache")
+    result = full.replay_full(rec, cache_dir=jax_cache_dir)
 
     assert result.ok, result.divergence
     assert result.never_joined == ["c.0"]
@@ -185,8 +185,8 @@ def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording):
     assert result.updates_checked > 0
 
 
-def test_a_learner_tape_that_does_not_fit_its_run_is_named_by_the_first_push(recording, tmp_path):
-    rec, work = recording
+def test_a_learner_tape_that_does_not_fit_its_run_is_named_by_the_first_push(recording, tmp_path, jax_cache_dir):
+    rec, _ = recording
     tape = ltapes.read(rec / "learners" / "a.0")
     # The same tape with another data seed: the first outer gradient it pushes differs.
     copy = ltapes.LearnerTapeWriter.create(tmp_path / "a.0", {**tape.config, "seed": tape.config["seed"] + 1})
@@ -196,7 +196,7 @@ def test_a_learner_tape_that_does_not_fit_its_run_is_named_by_the_first_push(rec
         (tmp_path / "a.0" / tapes.PAYLOAD_DIR / payload.name).write_bytes(payload.read_bytes())
     copy.abandon()
 
-    result, _ = full.replay_learner(ltapes.read(tmp_path / "a.0"), work / "jax-cache")
+    result, _ = full.replay_learner(ltapes.read(tmp_path / "a.0"), jax_cache_dir)
 
     first_push = tape.of("push")[0]
     assert result.divergence is not None

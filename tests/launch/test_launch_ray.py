@@ -56,7 +56,7 @@ def _live(status, name=None):
     return [entry for entry in status["learners"] if entry["status"] == "live" and name in (None, entry["name"])]
 
 
-def test_ray_launch_survives_a_killed_learner_and_a_killed_syncer(tmp_path, local_ray, self_signed_cert):
+def test_ray_launch_survives_a_killed_learner_and_a_killed_syncer(tmp_path, local_ray, self_signed_cert, jax_cache_dir):
     cert, key = self_signed_cert
     config = LaunchConfig(
         learners=2,
@@ -70,7 +70,7 @@ def test_ray_launch_survives_a_killed_learner_and_a_killed_syncer(tmp_path, loca
         tls_ca=cert.read_bytes(),
         # Ray kills an actor's children with it: a killed syncer resumes from its last periodic checkpoint.
         syncer_args=("--fragments", "2", "--period", "2", "--checkpoint-every-merges", "5"),
-        learner_args=(*SMALL_LEARNER, "--cache-dir", str(tmp_path / "jax")),
+        learner_args=(*SMALL_LEARNER, "--cache-dir", str(jax_cache_dir)),
         syncer_cpus=0.5,
         learner_cpus=0.5,  # three actors on a 2-CPU cluster
     )
@@ -133,7 +133,7 @@ def test_ray_launch_survives_a_killed_learner_and_a_killed_syncer(tmp_path, loca
     assert ("wss" in job.syncer_url) and config.token not in syncer_log
 
 
-def test_the_launch_ray_command_runs_a_job_to_its_end_and_stops_it_cleanly(tmp_path):
+def test_the_launch_ray_command_runs_a_job_to_its_end_and_stops_it_cleanly(tmp_path, jax_cache_dir):
     """`ddiloco launch ray` as a user runs it: its own local Ray cluster, one learner with a small
     step budget; it waits for the learner, then stops the syncer, which writes a last checkpoint."""
     from ddiloco.net.auth import write_token_file
@@ -165,7 +165,7 @@ def test_the_launch_ray_command_runs_a_job_to_its_end_and_stops_it_cleanly(tmp_p
             "--learner-cpus",
             "0.5",
             "--syncer-args=--fragments 2 --period 2",
-            f"--learner-args=--steps 12 --batch 4 --cache-dir {tmp_path / 'jax'}",
+            f"--learner-args=--steps 12 --batch 4 --cache-dir {jax_cache_dir}",
         ],
         capture_output=True,
         text=True,
