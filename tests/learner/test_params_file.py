@@ -48,14 +48,32 @@ def _checkpoint(directory, params, merges):
 
 
 def _export(source, out, fmt):
-    got = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "export", str(source), "--format", fmt, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    (got,) = _exports([(source, out, fmt)])
     return got
+
+
+def _exports(jobs):
+    """`ddiloco export` for each (source, out, fmt), the processes side by side (each start imports
+    JAX for seconds); their results in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.cli", "export", str(source), "--format", fmt, "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for source, out, fmt in jobs
+    ]
+    done = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return done
 
 
 def _flat(params):
@@ -75,12 +93,10 @@ def exported(tmp_path_factory):
     work = tmp_path_factory.mktemp("export")
     _checkpoint(work / "ck", _params(0), merges=1)
     _checkpoint(work / "ck", _params(1), merges=2)  # the newest: its parameters are the ones exported
-    outs = {}
-    for fmt, name in (("safetensors", "model.safetensors"), ("npz", "model.npz"), ("orbax", "model.orbax")):
-        got = _export(work / "ck", work / name, fmt)
+    outs = {"safetensors": work / "model.safetensors", "npz": work / "model.npz", "orbax": work / "model.orbax"}
+    for got in _exports([(work / "ck", out, fmt) for fmt, out in outs.items()]):
         assert got.returncode == 0, got.stderr
         assert "wrote 6 tensors (" in got.stdout and "merge 2, global step 20" in got.stdout
-        outs[fmt] = work / name
     return outs
 
 
@@ -147,13 +163,13 @@ def test_mismatching_pytrees_are_refused_naming_the_leaves(exported):
 def test_bad_sources_and_targets_get_one_clear_line(tmp_path, exported):
     (tmp_path / "empty").mkdir()
     (tmp_path / "junk").write_bytes(b"not a checkpoint at all, not even close")
-    for source, out, message in [
+    cases = [
         (tmp_path / "empty", tmp_path / "a.npz", "no checkpoint in"),
         (tmp_path / "junk", tmp_path / "a.npz", "not a ddiloco checkpoint"),
         (tmp_path / "missing", tmp_path / "a.npz", "cannot read checkpoint"),
         (exported["npz"].parent / "ck", exported["npz"], "already exists: give a new path"),
-    ]:
-        got = _export(source, out, "npz")
+    ]
+    for (_, _, message), got in zip(cases, _exports([(source, out, "npz") for source, out, _ in cases])):
         assert got.returncode == 2 and message in got.stderr and "Traceback" not in got.stderr, got.stderr
         assert len(got.stderr.strip().splitlines()) == 1
     with pytest.raises(ParamsFileError, match="neither an npz, a safetensors file nor an orbax directory"):
