@@ -156,11 +156,11 @@ def recording(tmp_path_factory, jax_cache_dir):
                 p.kill()
         syncer.send_signal(signal.SIGTERM)
         syncer.wait(60)
-    return rec, tmp_path
+    return rec
 
 
 def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording, jax_cache_dir):
-    rec, _ = recording
+    rec = recording
     b1 = ltapes.read(rec / "learners" / "b.1")
     (recovered,) = b1.of("recover")
     assert recovered["source"].startswith("peer") and recovered["snapshot"], "b.1 should copy a's state"
@@ -186,7 +186,7 @@ def test_a_run_with_a_kill_and_a_peer_recovery_replays_bit_for_bit(recording, ja
 
 
 def test_a_learner_tape_that_does_not_fit_its_run_is_named_by_the_first_push(recording, tmp_path, jax_cache_dir):
-    rec, _ = recording
+    rec = recording
     tape = ltapes.read(rec / "learners" / "a.0")
     # The same tape with another data seed: the first outer gradient it pushes differs.
     copy = ltapes.LearnerTapeWriter.create(tmp_path / "a.0", {**tape.config, "seed": tape.config["seed"] + 1})

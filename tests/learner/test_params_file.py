@@ -65,14 +65,15 @@ def _exports(jobs):
         for source, out, fmt in jobs
     ]
     done = []
-    for proc in procs:
-        try:
+    try:
+        for proc in procs:
             stdout, stderr = proc.communicate(timeout=120)
-        finally:
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:  # one that timed out leaves none of the others running
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     return done
 
 
