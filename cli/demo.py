@@ -24,7 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kills", type=int, default=3, help="learner kills (default 3; 1 with --quick)")
     p.add_argument("--pauses", type=int, help="learner pauses (default 2; 1 with --quick)")
     p.add_argument(
-        "--kill-syncer", action="store_true", help="also kill the syncer once and restart it from its checkpoint"
+        "--kill-syncer",
+        action="store_true",
+        help="also kill the syncer once; a hot standby takes over from its checkpoint",
+    )
+    p.add_argument(
+        "--cold-restart",
+        action="store_true",
+        help="with --kill-syncer: no standby; start a new syncer process from the checkpoint after the kill",
     )
     p.add_argument("--speeds", help="comma-separated relative speeds in (0, 1], e.g. 1,1,0.7,0.7")
     p.add_argument(
@@ -101,6 +108,7 @@ def config_from_args(args: argparse.Namespace):
             kills=1 if quick and args.kills == 3 else args.kills,
             pauses=args.pauses if args.pauses is not None else (1 if quick else 2),
             kill_syncer=args.kill_syncer,
+            syncer_standby=not args.cold_restart,
             speeds=_speeds(args.speeds),
             baseline=args.baseline == "dp",
             seed=args.seed,

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Self
 
@@ -31,6 +32,8 @@ from ddiloco.cli.settings import (
 from ddiloco.errors import UserError
 
 _CODECS = ("fp32", "bf16")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STANDBY_POLL_S = 0.5  # how often a standby looks for the run's first checkpoint
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
@@ -83,6 +86,13 @@ SETTINGS: tuple[Setting, ...] = (
         "checkpoint-every-merges", int, "also write a checkpoint every this many merges (default 0: never by count)"
     ),
     Setting("checkpoint-every-s", float, "write a checkpoint every this many seconds (default 300; 0: never by time)"),
+    Setting(
+        "standby",
+        bool,
+        "with resume DIR: a hot standby that imports and loads its kernels now, waits until the syncer "
+        "holding DIR exits, then resumes from its newest checkpoint and serves in its place",
+        default=False,
+    ),
     Setting("log-level", str, "log level", default="info", choices=("debug", "info", "warning")),
     Setting(
         "record",
@@ -191,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ddiloco import kernels
     from ddiloco.core import checkpoint, syncer
-    from ddiloco.net import server, store
+    from ddiloco.net import ownership, server, store
     from ddiloco.net.auth import check_exposure, read_token_file
     from ddiloco.net.warmup import syncer_warmup
 
@@ -202,6 +212,18 @@ def run(args: argparse.Namespace) -> int:
     if v["record_no_payloads"] and v["record"] is None:
         raise UserError("record_no_payloads needs record DIR")
     log = logging.getLogger("ddiloco.syncer")
+    kernels.skip_blas_probe()  # this process imports no scipy: numba's first kernel loads faster without it
+    written_dir = v["checkpoint_dir"] or v["resume"]
+    if v["standby"]:
+        if v["resume"] is None or written_dir != v["resume"]:
+            raise UserError("standby needs resume DIR (and no other checkpoint-dir): the directory it takes over")
+        logging.basicConfig(level=v["log_level"].upper(), format=LOG_FORMAT, stream=sys.stderr)
+        lock, warmed = _stand_by(v["resume"], log)
+    else:
+        # One syncer per checkpoint directory: taken before the newest checkpoint is read.
+        # (A resume DIR that does not exist is left to the resume's own error.)
+        exists = written_dir is not None and (v["checkpoint_dir"] is not None or Path(written_dir).is_dir())
+        lock, warmed = (ownership.DirectoryLock.acquire(written_dir) if exists else None), False
     # Reading the checkpoint and the token may log (a corrupt checkpoint skipped, a shared token
     # accepted): those lines are held until the configuration has been logged, which comes first.
     with _HeldRecords(v["log_level"]) as held:
@@ -228,9 +250,7 @@ def run(args: argparse.Namespace) -> int:
         )
         check_exposure(v["host"], token, v["insecure_no_auth"])
         _check_tls(v)
-    logging.basicConfig(
-        level=v["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=v["log_level"].upper(), format=LOG_FORMAT, stream=sys.stderr)
     log.info("config %s", orjson.dumps(effective(settings, config, resumed_from)).decode())
     held.replay()
     if state is not None:
@@ -270,11 +290,45 @@ def run(args: argparse.Namespace) -> int:
         log.info("checkpoints of run %s go to %s", daemon.checkpoints.store.run, daemon.checkpoints.store.directory)
     daemon.tape = _open_tape(v, state, log)
     server.use_uvloop()
-    kernels.skip_blas_probe()  # this process imports no scipy: numba's first kernel loads faster without it
-    # The kernels load after listening, beside the learners' reconnection: a restart's outage is shorter.
-    asyncio.run(daemon.serve_forever(warmup=syncer_warmup(state.config, state.layout)))
+    # The kernels load after listening, beside the learners' reconnection: a restart's outage is
+    # shorter. A standby loaded them while it waited.
+    try:
+        asyncio.run(daemon.serve_forever(warmup=() if warmed else syncer_warmup(state.config, state.layout)))
+    finally:
+        if lock is not None:
+            lock.release()
     # A last checkpoint that failed is an error of the whole run: say so in the exit status too.
     return 0 if daemon.checkpoints.healthy else 1
+
+
+def _stand_by(directory: Path, log: logging.Logger) -> tuple[Any, bool]:
+    """A hot standby's wait: load the kernels for the run in `directory` (once it has a checkpoint),
+    then block until the syncer holding the directory exits, and hold it. Returns the lock and
+    whether the kernels were loaded (not when the holder exited before its first checkpoint)."""
+    from ddiloco.net import ownership, store
+    from ddiloco.net.warmup import syncer_warmup
+
+    log.info("standby for %s: waiting for a checkpoint to load the kernels for", directory)
+    while True:
+        try:
+            state, _ = store.newest_valid(directory)
+            break
+        except store.StoreError:
+            try:  # the holder may be gone before its first checkpoint: the resume then says so
+                return ownership.DirectoryLock.acquire(directory), False
+            except ownership.DirectoryHeld:
+                time.sleep(STANDBY_POLL_S)
+    started = time.monotonic()
+    for stage in syncer_warmup(state.config, state.layout):
+        stage()
+    log.info(
+        "standby for %s: kernels loaded in %.2f s; waiting for its syncer to exit",
+        directory,
+        time.monotonic() - started,
+    )
+    lock = ownership.DirectoryLock.acquire(directory, wait=True)
+    log.info("standby: took over %s", directory)
+    return lock, True
 
 
 def _check_tls(v: dict[str, Any]) -> None:
@@ -308,6 +362,10 @@ class _HeldRecords(logging.Handler):
     def __enter__(self) -> Self:
         root = logging.getLogger()
         self._level = root.level
+        # Handlers set up before (a standby logs while it waits) are set aside: held means not yet shown.
+        self._handlers = root.handlers[:]
+        for handler in self._handlers:
+            root.removeHandler(handler)
         root.addHandler(self)
         root.setLevel(self.level)
         return self
@@ -315,6 +373,8 @@ class _HeldRecords(logging.Handler):
     def __exit__(self, *exc: object) -> None:
         root = logging.getLogger()
         root.removeHandler(self)
+        for handler in self._handlers:
+            root.addHandler(handler)
         root.setLevel(self._level)
 
     def replay(self) -> None:

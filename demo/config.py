@@ -43,6 +43,10 @@ class DemoConfig:
     # Restart=always); restart_delay_s is a learner's (a machine that comes back). The outage
     # reported is from the kill to the restarted syncer's first merge, this delay included.
     syncer_restart_delay_s: float = 0.0
+    # With kill_syncer: a hot standby (`ddiloco syncer --standby`, started beside the syncer, its
+    # imports and kernels loaded) takes over at the kill instead of a cold restart. False: the
+    # cold restart above (`--cold-restart`), to compare.
+    syncer_standby: bool = True
     checkpoint_every_s: float = 2.0  # often, so that a syncer restart loses little
     # Plain averaging of the merged fragments (lr 1, no momentum): the paper's 0.7 / 0.9 are for
     # hundreds of inner steps between syncs; at the demo's H = 12-24 they over-step. Measured with

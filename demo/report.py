@@ -151,10 +151,12 @@ def report_text(r: DemoReport) -> str:
     ]
     if r.syncer_kills:
         outage = "-" if r.syncer_outage_s is None else f"{r.syncer_outage_s:.1f} s"
-        lines.append(f"syncer kill    {r.syncer_kills}, restarted from its checkpoint; kill to next merge {outage}")
+        how = "a standby took over" if (r.syncer_restart or {}).get("took_over_at") is not None else "restarted"
+        lines.append(f"syncer kill    {r.syncer_kills}, {how} from its checkpoint; kill to next merge {outage}")
         if r.syncer_restart:
             names = {
                 "restart_delay_s": "restart delay",
+                "takeover_s": "standby takes over",
                 "start_and_imports_s": "start and imports",
                 "resume_and_listen_s": "resume and listen",
                 "warmup_s": "kernel warm-up",
@@ -166,7 +168,7 @@ def report_text(r: DemoReport) -> str:
                 for k, text in names.items()
                 if r.syncer_restart.get(k) is not None
             )
-            lines.append(f"               ({parts}; warm-up overlaps the learners' return)")
+            lines.append(f"               ({parts})")
     return "\n".join(
         lines
         + [

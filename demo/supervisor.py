@@ -120,6 +120,12 @@ class Demo:
         self.syncer = _start_syncer(cfg, work, self.token_file, port=0, resume=False, starts=1)
         self.port = _wait_listening(self.syncer)
         self.base = f"http://127.0.0.1:{self.port}"
+        # The standby waits for the syncer's first checkpoint, loads its kernels, then for its exit.
+        self.standby = (
+            _start_syncer(cfg, work, self.token_file, port=self.port, resume=True, starts=2, standby=True)
+            if cfg.kill_syncer and cfg.syncer_standby
+            else None
+        )
         self.learners = [LearnerProcess(i) for i in range(cfg.learners)]
         gpus = visible_gpu_count() if cfg.gpus is None else cfg.gpus
         self.devices = learner_device_plan(gpus, cfg.learners)
@@ -153,6 +159,13 @@ class Demo:
         if s.killed_at is None:
             if s.proc.poll() is not None:
                 raise RuntimeError(f"the syncer exited ({s.proc.returncode}); its log:\n{s.log.read_text()[-2000:]}")
+            return
+        if self.standby is not None:  # it takes over by itself the moment the syncer is gone
+            s.proc.wait()
+            self.syncer, self.standby = self.standby, None
+            self.syncer.restarted_at = s.killed_at  # already running: nothing to start
+            self.record("restart-syncer", now, standby=True)
+            self.view.note(f"chaos: the standby syncer takes over at {now:.1f} s")
             return
         if now - s.killed_at < self.cfg.syncer_restart_delay_s:
             return
@@ -224,6 +237,9 @@ class Demo:
         for lr in self.learners:
             if lr.proc and lr.proc.poll() is None:
                 lr.proc.kill()
+        if self.standby is not None and self.standby.proc.poll() is None:
+            self.standby.proc.kill()  # never took over: it holds nothing
+            self.standby.proc.wait(60)
         if self.syncer.proc.poll() is None:
             self.syncer.proc.send_signal(signal.SIGTERM)
             self.syncer.proc.wait(60)
@@ -281,6 +297,7 @@ def run_demo(cfg: DemoConfig, workdir: Path | None = None, out=sys.stdout) -> De
 
 # What the restarted syncer logs at each step of its way back (net.server, cli/syncer.py, the core).
 _RESTART_STEPS = (
+    ("took_over_at", "standby: took over"),  # a standby's only
     ("up_at", "INFO ddiloco.syncer: config "),
     ("listening_at", "syncer listening on"),
     ("warmed_up_at", "kernels warmed up"),
@@ -314,6 +331,7 @@ def restart_timeline(log_text: str, wall_started: float, killed_at: float, resta
 
     phases = {
         "restart_delay_s": span("killed_at", "restarted_at"),
+        "takeover_s": span("killed_at", "took_over_at"),
         "start_and_imports_s": span("restarted_at", "up_at"),
         "resume_and_listen_s": span("up_at", "listening_at"),
         "warmup_s": span("listening_at", "warmed_up_at"),
@@ -451,7 +469,9 @@ def _start_recording(cfg: DemoConfig) -> None:
     (cfg.record / "run.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
 
-def _start_syncer(cfg: DemoConfig, work: Path, token_file: Path, port: int, resume: bool, starts: int) -> SyncerProcess:
+def _start_syncer(
+    cfg: DemoConfig, work: Path, token_file: Path, port: int, resume: bool, starts: int, standby: bool = False
+) -> SyncerProcess:
     log_path = work / ("syncer.log" if starts == 1 else f"syncer.{starts}.log")
     if cfg.restore is not None and not resume:  # the syncer's state at the snapshot's cut, its config included
         where = ["--resume", str(cfg.restore), "--checkpoint-dir", str(work / "ckpt")]
@@ -483,6 +503,8 @@ def _start_syncer(cfg: DemoConfig, work: Path, token_file: Path, port: int, resu
             str(cfg.checkpoint_every_s),
         ]
     where += ["--snapshot-dir", str(work / "snapshots"), "--snapshot-every-s", str(cfg.snapshot_every_s)]
+    if standby:
+        where.append("--standby")
     if cfg.record is not None:
         where += [
             "--record",

@@ -73,8 +73,6 @@ class StoreError(FaultError, RuntimeError):
 
     what_to_do = "check that the checkpoint directory exists, is writable and its disk has room"
 
-    what_to_do = "check that the checkpoint directory exists, is writable and its disk has room"
-
 
 @dataclass(frozen=True)
 class Written:

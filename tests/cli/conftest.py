@@ -49,3 +49,25 @@ def _start(tmp_path, *extra, env=None):
 @pytest.fixture
 def start_syncer():
     return _start
+
+
+def _another_runs_checkpoint(directory):
+    """A checkpoint of run aaaa... (500 merges, two small fragments) written into `directory`; its path."""
+    import numpy as np
+
+    from ddiloco.core import syncer
+    from ddiloco.core.config import SyncerConfig
+    from ddiloco.core.layout import TensorSpec, build_layout
+    from ddiloco.net import store
+
+    layout = build_layout([TensorSpec("w", (4, 8)), TensorSpec("b", (8,))], 2)
+    state = syncer.new_state(
+        SyncerConfig(num_fragments=2), layout, [np.ones(f.padded_size, np.float32) for f in layout.fragments]
+    )
+    state.merges = 500
+    return store.CheckpointStore.open(directory, new_id=lambda: "aaaaaaaaaaaaaaaa").write(state).path
+
+
+@pytest.fixture
+def another_runs_checkpoint():
+    return _another_runs_checkpoint

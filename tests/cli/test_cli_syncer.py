@@ -186,24 +186,8 @@ def test_the_readme_token_command_makes_a_token_the_syncer_accepts(tmp_path):
     assert len(read_token_file(tmp_path / "token")) == 32
 
 
-def _another_runs_checkpoint(directory):
-    import numpy as np
-
-    from ddiloco.core import syncer
-    from ddiloco.core.config import SyncerConfig
-    from ddiloco.core.layout import TensorSpec, build_layout
-    from ddiloco.net import store
-
-    layout = build_layout([TensorSpec("w", (4, 8)), TensorSpec("b", (8,))], 2)
-    state = syncer.new_state(
-        SyncerConfig(num_fragments=2), layout, [np.ones(f.padded_size, np.float32) for f in layout.fragments]
-    )
-    state.merges = 500
-    return store.CheckpointStore.open(directory, new_id=lambda: "aaaaaaaaaaaaaaaa").write(state).path
-
-
-def test_a_fresh_run_refuses_another_runs_checkpoint_dir_unless_told(tmp_path, start_syncer):
-    old = _another_runs_checkpoint(tmp_path / "ck")
+def test_a_fresh_run_refuses_another_runs_checkpoint_dir_unless_told(tmp_path, start_syncer, another_runs_checkpoint):
+    old = another_runs_checkpoint(tmp_path / "ck")
     out = subprocess.run(
         [sys.executable, "-m", "ddiloco.cli", "syncer", "--port", "0", "--checkpoint-dir", str(tmp_path / "ck")],
         capture_output=True,
@@ -219,10 +203,10 @@ def test_a_fresh_run_refuses_another_runs_checkpoint_dir_unless_told(tmp_path, s
     assert old.exists()
 
 
-def test_resume_continues_the_same_run(tmp_path, start_syncer):
+def test_resume_continues_the_same_run(tmp_path, start_syncer, another_runs_checkpoint):
     from ddiloco.net import store
 
-    old = _another_runs_checkpoint(tmp_path / "ck")
+    old = another_runs_checkpoint(tmp_path / "ck")
     proc, _, lines = start_syncer(tmp_path, "--resume", str(tmp_path / "ck"))
     assert any("checkpoints of run aaaaaaaaaaaaaaaa" in line for line in lines)
     proc.send_signal(signal.SIGTERM)
