@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Self
@@ -218,12 +219,12 @@ def run(args: argparse.Namespace) -> int:
         if v["resume"] is None or written_dir != v["resume"]:
             raise UserError("standby needs resume DIR (and no other checkpoint-dir): the directory it takes over")
         logging.basicConfig(level=v["log_level"].upper(), format=LOG_FORMAT, stream=sys.stderr)
-        lock, warmed = _stand_by(v["resume"], log)
+        lock = _stand_by(v["resume"], log)
     else:
         # One syncer per checkpoint directory: taken before the newest checkpoint is read.
         # (A resume DIR that does not exist is left to the resume's own error.)
         exists = written_dir is not None and (v["checkpoint_dir"] is not None or Path(written_dir).is_dir())
-        lock, warmed = (ownership.DirectoryLock.acquire(written_dir) if exists else None), False
+        lock = ownership.DirectoryLock.acquire(written_dir) if exists else None
     # Reading the checkpoint and the token may log (a corrupt checkpoint skipped, a shared token
     # accepted): those lines are held until the configuration has been logged, which comes first.
     with _HeldRecords(v["log_level"]) as held:
@@ -291,9 +292,9 @@ def run(args: argparse.Namespace) -> int:
     daemon.tape = _open_tape(v, state, log)
     server.use_uvloop()
     # The kernels load after listening, beside the learners' reconnection: a restart's outage is
-    # shorter. A standby loaded them while it waited.
+    # shorter. (A standby has loaded them, or is loading them, already: then this is quick.)
     try:
-        asyncio.run(daemon.serve_forever(warmup=() if warmed else syncer_warmup(state.config, state.layout)))
+        asyncio.run(daemon.serve_forever(warmup=syncer_warmup(state.config, state.layout)))
     finally:
         if lock is not None:
             lock.release()
@@ -301,12 +302,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if daemon.checkpoints.healthy else 1
 
 
-def _stand_by(directory: Path, log: logging.Logger) -> tuple[Any, bool]:
-    """A hot standby's wait: load the kernels for the run in `directory` (once it has a checkpoint),
-    then block until the syncer holding the directory exits, and hold it. Returns the lock and
-    whether the kernels were loaded (not when the holder exited before its first checkpoint)."""
+def _stand_by(directory: Path, log: logging.Logger) -> Any:
+    """A hot standby's wait: once the run in `directory` has a checkpoint, load the kernels for it on
+    a thread of its own, and meanwhile block until the syncer holding the directory exits; then hold
+    it (the returned lock). A kill during the loading is taken over at once: the loading goes on
+    beside the resumed daemon, whose own warm-up then finds those kernels loaded."""
     from ddiloco.net import ownership, store
-    from ddiloco.net.warmup import syncer_warmup
 
     log.info("standby for %s: waiting for a checkpoint to load the kernels for", directory)
     while True:
@@ -315,20 +316,26 @@ def _stand_by(directory: Path, log: logging.Logger) -> tuple[Any, bool]:
             break
         except store.StoreError:
             try:  # the holder may be gone before its first checkpoint: the resume then says so
-                return ownership.DirectoryLock.acquire(directory), False
+                return ownership.DirectoryLock.acquire(directory)
             except ownership.DirectoryHeld:
                 time.sleep(STANDBY_POLL_S)
-    started = time.monotonic()
-    for stage in syncer_warmup(state.config, state.layout):
-        stage()
-    log.info(
-        "standby for %s: kernels loaded in %.2f s; waiting for its syncer to exit",
-        directory,
-        time.monotonic() - started,
-    )
+    threading.Thread(target=_preload, args=(state, directory, log), name="ddiloco-preload", daemon=True).start()
     lock = ownership.DirectoryLock.acquire(directory, wait=True)
     log.info("standby: took over %s", directory)
-    return lock, True
+    return lock
+
+
+def _preload(state: Any, directory: Path, log: logging.Logger) -> None:
+    from ddiloco.net.warmup import syncer_warmup
+
+    started = time.monotonic()
+    try:
+        for stage in syncer_warmup(state.config, state.layout):
+            stage()
+    except Exception as exc:  # a bug in the warm-up: the daemon's own warm-up loads them again
+        log.error("standby: kernel loading failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        return
+    log.info("standby for %s: kernels loaded in %.2f s", directory, time.monotonic() - started)
 
 
 def _check_tls(v: dict[str, Any]) -> None:

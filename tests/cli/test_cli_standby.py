@@ -66,7 +66,7 @@ def test_a_standby_serves_in_place_of_a_killed_syncer_from_its_newest_checkpoint
     lines: list[str] = []
     standby = _syncer(tmp_path, "--port", str(port), "--resume", str(tmp_path / "ck"), "--standby")
     try:
-        _read_until(standby, r"kernels loaded in .* waiting for its syncer to exit", lines)
+        _read_until(standby, r"standby for .*: kernels loaded in", lines)
         assert _status(port)["merges"] == 500  # still the primary's
         primary.send_signal(signal.SIGKILL)
         primary.wait(30)

@@ -43,7 +43,7 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     keys = ("killed_at", "took_over_at", "up_at", "listening_at", "first_join_at", "first_merge_at")
     steps = [r[k] for k in keys]
     assert None not in steps and steps == sorted(steps) and r["restarted_at"] == r["killed_at"]
-    assert r["warmed_up_at"] is None  # the standby loaded its kernels before the kill
+    assert r["listening_at"] <= r["warmed_up_at"]
     assert r["outage_s"] == round(r["first_merge_at"] - r["killed_at"], 3)
     assert report.syncer_outage_s == round(r["outage_s"], 2)  # to the log's millisecond, not to the poll
     assert report.merges > 0 and math.isfinite(report.eval_loss) and math.isfinite(report.baseline_eval_loss)
@@ -68,6 +68,7 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     assert data["curves"]["baseline"] and all(e["tokens"] >= 0 for e in data["events"])
     text = report_text(report)
     assert "merged model" in text and "a standby took over" in text and "standby takes over" in text
+    assert "kernel warm-up" in text
     assert f"1 learner kill, 1 restart, {len(report.catch_up)} caught up before the end" in text
     live = (tmp_path / "live.txt").read_text()
     assert "chaos: kill learner" in live and "chaos: kill the syncer" in live
