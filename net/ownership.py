@@ -51,6 +51,7 @@ class DirectoryLock:
             raise files.FileError("open the lock file", path, exc) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            _record_holder(fd)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
@@ -58,10 +59,12 @@ class DirectoryLock:
                 f"another syncer ({holder}) holds {directory}: stop it first, use another directory, "
                 "or start this one with --standby to take over when it exits"
             ) from None
+        except OSError as exc:  # a full or read-only disk: said once, with the path, and no descriptor left open
+            os.close(fd)
+            raise files.FileError("lock the checkpoint directory", path, exc) from exc
         except BaseException:
             os.close(fd)
             raise
-        _record_holder(fd)
         return cls(directory, fd)
 
     @property
