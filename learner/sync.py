@@ -408,6 +408,11 @@ class DilocoSync:
         return self._due.get((self.step_count + 1) % self._period, ())
 
     @property
+    def pushes_in_flight(self) -> tuple[int, ...]:
+        """Fragments whose host copy a call started and whose push the next call sends."""
+        return tuple(f.fragment for f in self._in_flight)
+
+    @property
     def updates_waiting(self) -> tuple[int, ...]:
         """Fragments whose arrived version the next call applies although nothing new arrives: held
         back one call behind the fragment's push (see `_apply_arrived`)."""
