@@ -105,7 +105,7 @@ def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_
 def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threaded_syncer, monkeypatch):
     """No per-step device sync: a step with no fragment due, no push in flight and no version
     arriving only counts. Due steps start host copies that the next call collects and pushes."""
-    s = threaded_syncer(num_fragments=2, period=4, quorum=1, token=TOKEN)
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)  # due at steps 0 and 4 mod 8
     try:
         a = {"params": model(1), "target": model(10)}
         a["sync"] = sync = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
@@ -126,7 +126,7 @@ def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threade
         monkeypatch.setattr(jax, "device_get", counting(jax.device_get, "device_get"))
         monkeypatch.setattr(TreeFragments, "start_gather", counting(TreeFragments.start_gather, "start_gather"))
         quiet, due = 0, 0
-        for _ in range(24):
+        for _ in range(32):
             was_due = sync.due_next
             idle = not was_due and not sync.pushes_in_flight and not sync.updates_waiting
             before, applied = len(waits), sync.merged_versions_applied
