@@ -336,10 +336,12 @@ def _ledger(port: int) -> dict:
 
 
 def _merged_share(ledger: dict) -> float | None:
-    """Merged tokens over the tokens whose fate is decided: reported, less the windows still open
-    when the run ended (the last of each fragment, which the next round would have decided)."""
+    """Merged tokens (on time and late, discounted) over the tokens whose fate is decided: reported,
+    less the windows still open when the run ended (the last of each fragment, which the next round
+    would have decided)."""
     decided = ledger.get("reported", 0) - ledger.get("open", 0)
-    return ledger.get("merged", 0) / decided if decided > 0 else None
+    merged = ledger.get("merged", 0) + ledger.get("merged_late", 0)
+    return merged / decided if decided > 0 else None
 
 
 def _median_or_none(values: list[float]) -> float | None:

@@ -4,11 +4,11 @@ sync done with a torch.distributed gloo all-reduce.
 One sync, ddiloco's way: the syncer daemon runs in this process on loopback, its one fragment holding
 all N parameters (`--fragments 1`, period H = 1, quorum K = M: every round asks all M learners and
 merges once all have pushed). M learner processes (spawn) each hold the fragment as a host float32
-vector. When every learner has reported the step, the syncer asks each for its outer gradient; each
-encodes base - theta (`core.codec.encode_delta`, the push codec, on the calling thread as the hook's
+vector. Each learner reports the step and, the fragment being due at every step, at once (protocol 2:
+nobody asks) encodes base - theta (`core.codec.encode_delta`, the push codec, on the calling thread as the hook's
 default `serial_kernels` does) and pushes it; the syncer merges the M pushes, takes the outer
 Nesterov step and broadcasts the new version (its broadcast codec); each learner decodes it and
-copies it over its parameters. Timed per sync: from the first learner taking its request to the last
+copies it over its parameters. Timed per sync: from the first learner starting its push to the last
 learner holding the new version (`time.monotonic`, which on Linux is one clock for all processes of
 the machine). Between syncs every learner meets this process at a barrier, which is not timed: the
 syncer's counters are read there, and each learner moves its parameters away from the version it
@@ -18,13 +18,13 @@ Why the client and the codec rather than `DilocoSync`: the hook is driven by tra
 each `step` call is one more global step. Waiting for a merged version by calling `step` therefore
 opens the next round (with H = 1) before the one being timed has closed; "one sync now, then wait
 for its result" cannot be said through it. So each learner does what the hook does inside `step`
-for a request and an update, through the same public pieces: `net.client.ThreadedClient` (the
+for a push and an update, through the same public pieces: `net.client.ThreadedClient` (the
 hook's default transport), `core.codec.encode_delta`, `Encoded.decode` and `core.events.Push`.
 What the hook adds around them is left out: gathering the fragment from a JAX pytree to the host
 and scattering it back onto the devices (here the parameters already are one host vector).
 
 The breakdown of each sync cuts its time at points on the critical path, so the parts add up to it:
-encode (first request taken to last push handed to the client), wire in (to the start of the merge:
+encode (first push started to last push handed to the client), wire in (to the start of the merge:
 serialising, loopback, the syncer parsing the pushes), merge (the syncer's own time in the core
 step that merged: the merge kernels and the outer step, `merge_kernel_s` of its metrics), wire out
 (end of the merge to the last learner having the update: encoding the broadcast, loopback,
@@ -78,7 +78,7 @@ PARAMS_MAX = 1 << 31  # one fragment: its int32-indexed kernels stay below this
 LEARNERS_MAX = 64
 REPEAT_MAX = 1000
 WARMUP_MAX = 100
-PHASE_S_MAX = 600.0  # the longest a learner waits for a request, an update or the barrier
+PHASE_S_MAX = 600.0  # the longest a learner waits for an update or the barrier
 START_S_MAX = 300.0  # spawn, imports, kernel warm-up, join and the initial parameters
 POLL_S = 0.0005  # how often a waiting learner looks at its client's inbox (costs microseconds)
 PUSH_STEPS = 1  # the counters a push and a progress report carry: one inner step of ...
@@ -153,7 +153,7 @@ def _wait_for(what: str, ready, client) -> Any:
     deadline = time.monotonic() + PHASE_S_MAX
     while time.monotonic() < deadline:
         taken = client.take()
-        for err in taken[2]:
+        for err in taken[1]:
             raise SyncBenchError(
                 f"the syncer sent an error while this learner waited for {what}: {err.code}: {err.text}"
             )
@@ -200,7 +200,7 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             client.init(0, codec.encode(base, "fp32", parallel=False))
             version = 0
         else:
-            update = _wait_for("the initial parameters", lambda t: t[1].get(0), client)
+            update = _wait_for("the initial parameters", lambda t: t[0].get(0), client)
             base, version = update.encoded.decode(parallel=False), update.version
         params = base.copy()
         client.progress(session.ProgressInfo(0, (version,), (0,), (0,)))  # live: the syncer counts it in
@@ -209,23 +209,14 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             barrier.wait(PHASE_S_MAX)  # go: every learner is live, and the gloo ranks are idle
             np.subtract(base, drift, out=params)  # the stand-in for training since the version held
             client.progress(session.ProgressInfo(step, (version,), (PUSH_STEPS,), (PUSH_TOKENS,)))
-            request = _wait_for("the syncer's request", lambda t: t[0][0] if t[0] else None, client)
-            t_request = time.monotonic()
+            t_start = time.monotonic()  # every step is due (H = 1): the learner pushes on its own (protocol 2)
             payload, _ = codec.encode_delta(base, params, None, args.codec, layout.block, parallel=False)
-            push = Push(
-                welcome.learner,
-                0,
-                request.round,
-                request.base_version,
-                PUSH_STEPS,
-                PUSH_TOKENS,
-                codec.parse(payload),
-            )
+            push = Push(welcome.learner, 0, step, version, PUSH_STEPS, PUSH_TOKENS, codec.parse(payload))
             client.push(push)
             t_pushed = time.monotonic()
             update = _wait_for(
                 "the merged version",
-                lambda t, held=version: t[1][0] if 0 in t[1] and t[1][0].version > held else None,
+                lambda t, held=version: t[0][0] if 0 in t[0] and t[0][0].version > held else None,
                 client,
             )
             t_update = time.monotonic()
@@ -236,7 +227,7 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             barrier.wait(PHASE_S_MAX)  # done: the parent reads the syncer's counters
             samples.append(
                 {
-                    "request": t_request,
+                    "start": t_start,
                     "pushed": t_pushed,
                     "update": t_update,
                     "applied": t_applied,
@@ -409,7 +400,7 @@ def _sync_breakdowns(raw: dict, warmup: int) -> list[dict]:
     rows = []
     for k in range(warmup, len(syncer_samples)):
         s = [r["samples"][k] for r in learners]
-        start, pushed = min(x["request"] for x in s), max(x["pushed"] for x in s)
+        start, pushed = min(x["start"] for x in s), max(x["pushed"] for x in s)
         got, held = max(x["update"] for x in s), max(x["applied"] for x in s)
         merge_started, merge_s = syncer_samples[k]["merge_started_at"], syncer_samples[k]["merge_s"]
         rows.append(
@@ -533,7 +524,7 @@ def format_report(r: dict) -> str:
                 f"median of {c['repeat']} after {c['warmup']} warm-up"
             ),
         ),
-        ("ddiloco", f"{ms(r['ddiloco_median_s'])} (first request taken to last learner holding the new version)"),
+        ("ddiloco", f"{ms(r['ddiloco_median_s'])} (first push started to last learner holding the new version)"),
         ("breakdown", ", ".join(f"{phase.replace('_', ' ')} {ms(b[phase])}" for phase in PHASES) + " (medians)"),
         (
             "bytes",

@@ -2,7 +2,7 @@
 
 The syncer runs in this process, on its own event loop; M learner processes (started with spawn)
 connect over loopback websockets and do no training: each pre-encodes one outer gradient per
-fragment and, as fast as the syncer lets it, reports a step, answers every request with a push and
+fragment and, as fast as the syncer lets it, reports a step, pushes the fragments due at it and
 takes every update. So the figures are the syncer's (and loopback's) own limits.
 
 Reported: merges/s, payload GB/s in and out, p50/p99 round latency (round open to merge), the share
@@ -97,9 +97,8 @@ def _learner_main(
             step += 1
             n = len(sizes)
             client.queue_progress(session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n))
-            while box.requests:
-                r = box.requests.popleft()
-                push = Push(w.learner, r.fragment, r.round, r.base_version, 1, 1024, payloads[r.fragment])
+            for p in (q for q, t in enumerate(w.offsets) if step % w.period == t and min(versions) >= 0):
+                push = Push(w.learner, p, step, versions[p], 1, 1024, payloads[p])  # its own schedule (protocol 2)
                 if client.queue_push(push):
                     pushes += 1
             await asyncio.sleep(1.0 / step_hz)

@@ -10,15 +10,15 @@ kept with the virtual time and a description; the run stops there.
   state at the stop: nothing is lost; after a crash, the merges since are lost by design); its values never change without a new version
   (or before version 0 is complete); a version, once sent, always means the same values; what the
   syncer records a learner as holding never goes back within its session.
-- quorum: a merge takes exactly the round's admissible pushes with positive token weight (a live
-  learner, the round that was open, the current base version, first push of that learner), and
-  there are at least K of them.
+- quorum: a merge takes exactly the admissible pushes that waited for it with positive token weight
+  (a live learner when it pushed, a base version at most STALENESS_MAX behind, the newest push of
+  each learner since the fragment's last merge), and there are at least K of them.
 - weights: the merge weights are positive, sum to 1 and are the normalised token weights
-  tokens^2 / steps of those pushes.
+  tokens^2 / steps of those pushes, each divided by 1 + its staleness (protocol 2).
 - finite: every parameter and momentum value is finite and inside the parameter bound (a hundred
   times the largest initial value, at least 100): a restarted learner's fresh weights (FRESH_SCALE)
   would blow through it if they ever leaked into a merge.
-- ledger: `reported == merged + late + stale + rejected + lost + open`, no total ever shrinks, the
+- ledger: `reported == merged + merged_late + late + stale + rejected + lost + open`, no total ever shrinks, the
   books never hold more tokens than the learners trained (each step's tokens count once in the
   window of every fragment, so at most P x tokens trained), no window stays open for a learner that
   is gone, and an open window never holds more tokens than the learner itself counted for that
@@ -40,7 +40,7 @@ import numpy as np
 
 from ddiloco.core.events import Effect, Event, InitFragment, Merged, Push, SendWelcome
 from ddiloco.core.ledger import FATES
-from ddiloco.core.syncer import LearnerStatus, SyncerState
+from ddiloco.core.syncer import STALENESS_MAX, LearnerStatus, SyncerState
 from ddiloco.core.weights import token_weight
 
 INVARIANTS = ("versions_grow", "quorum", "weights", "finite", "ledger", "fresh_weights", "caught_up")
@@ -77,9 +77,9 @@ class Checker:
         self.violation: Violation | None = None
         self._versions: list[int] | None = None
         self._theta: list[str | None] = []
-        self._open: list[int | None] = []  # round open per fragment, before the current event
         self._status: dict[int, LearnerStatus] = {}
-        self._pushes: dict[tuple[int, int], dict[int, float]] = {}  # (fragment, round) -> learner -> weight
+        # fragment -> learner -> (base version, token weight) of its admitted push waiting for a merge
+        self._waiting: dict[int, dict[int, tuple[int, float]]] = {}
         self._sent: dict[tuple[int, int, str], str] = {}  # (fragment, version, codec) -> digest of values
         self._asked_init: set[int] = set()
         self._held: dict[int, list[int]] = {}
@@ -160,7 +160,7 @@ class Checker:
             self._sent = {k: d for k, d in self._sent.items() if k[1] <= versions[k[0]]}
         self._totals, self._reported = dict(state.ledger.totals), state.ledger.reported
         self._check_ledger(state, now)
-        self._pushes.clear()
+        self._waiting.clear()
         self._asked_init.clear()
         self._snapshot(state)
 
@@ -176,29 +176,29 @@ class Checker:
     def _snapshot(self, state: SyncerState) -> None:
         self._versions = [f.version for f in state.fragments]
         self._theta = [digest(f.theta) if f.theta is not None else None for f in state.fragments]
-        self._open = [f.open.number if f.open is not None else None for f in state.fragments]
         self._status = {m: r.status for m, r in state.learners.items()}
         self._held = {m: list(r.versions) for m, r in state.learners.items() if r.status is not LearnerStatus.GONE}
 
     def _note_event(self, state: SyncerState, event: Event) -> None:
-        """Remember every push that is admissible by the rules, judged with the state before it."""
-        if not isinstance(event, Push) or not 0 <= event.fragment < len(self._open):
+        """Remember every push that is admissible by the rules, judged with the state before it: it
+        waits for the next merge of its fragment, the newest of each learner replacing the older."""
+        if not isinstance(event, Push) or not 0 <= event.fragment < len(self._versions):
             return
         p = event.fragment
         admissible = (
             self._status.get(event.learner) is LearnerStatus.LIVE
-            and self._open[p] is not None
-            and event.round == self._open[p]
-            and event.base_version == self._versions[p]
+            and 0 <= self._versions[p] - event.base_version <= STALENESS_MAX
             and event.payload.elements == state.layout.fragments[p].padded_size
             and event.payload.all_finite()
             and 0 <= event.steps
             and 0 <= event.tokens
             and (event.steps > 0 or event.tokens == 0)
         )
-        pushes = self._pushes.setdefault((p, event.round), {})
-        if admissible and event.learner not in pushes:
-            pushes[event.learner] = token_weight(event.tokens, event.steps)
+        if admissible:
+            self._waiting.setdefault(p, {})[event.learner] = (
+                event.base_version,
+                token_weight(event.tokens, event.steps),
+            )
 
     # ---- the checks -----------------------------------------------------------------------------
 
@@ -237,12 +237,18 @@ class Checker:
 
     def _check_merge(self, e: Merged, now: float) -> None:
         self.merges_checked += 1
-        closed = self._open[e.fragment]
-        pushes = self._pushes.pop((e.fragment, closed), {}) if closed is not None else {}
+        before = self._versions[e.fragment]  # the version the merge applied to
+        waiting = self._waiting.pop(e.fragment, {})
+        # Staleness s = before - base: at most STALENESS_MAX, weight discounted by 1/(1+s).
+        pushes = {
+            m: w / (1 + before - b) if before > b else w for m, (b, w) in waiting.items() if before - b <= STALENESS_MAX
+        }
         expected = sorted(m for m, w in pushes.items() if w > 0)
         if len(set(e.learners)) != len(e.learners) or sorted(e.learners) != expected:
             self.fail(
-                "quorum", f"fragment {e.fragment} round {closed}: merged {list(e.learners)}, admissible {expected}", now
+                "quorum",
+                f"fragment {e.fragment} onto version {before}: merged {list(e.learners)}, admissible {expected}",
+                now,
             )
             return
         if len(e.learners) < self.quorum:
@@ -286,10 +292,7 @@ class Checker:
         self._totals, self._reported = totals, reported
         for (m, p), window in books.windows.items():
             rec = state.learners.get(m)
-            rnd = state.fragments[p].open
-            # a learner that left keeps a window open only for its push waiting in the open round
-            awaiting = rnd is not None and m in rnd.pushes
-            if rec is None or (rec.status is LearnerStatus.GONE and not awaiting):
+            if rec is None or rec.status is LearnerStatus.GONE:  # its waiting pushes' tokens are held, not in windows
                 self.fail("ledger", f"a ledger window of fragment {p} is open for learner {m}, which is gone", now)
                 return
             most = self.counted(m, p, rec.versions[p])

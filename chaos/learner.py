@@ -8,8 +8,9 @@ It behaves like `learner/sync.py` on top of `net/client.py`, message for message
 - each step it trains (pulls its tensors toward its own target, plus noise: a deterministic function
   of its seed), counts steps and tokens for every fragment, takes what arrived, handles a new
   welcome (a rejoin resets versions, bases and counters; a request for the initial parameters sends
-  them), answers requests with the int4 outer gradient `base - theta` when the request's base version
-  is the one it holds, applies newer fragment versions (overwrite), and reports progress;
+  them), pushes the int4 outer gradient `base - theta` of each fragment due at its step (step mod H
+  == t_p, the welcome's schedule; protocol 2: nobody asks) once it holds every fragment, applies
+  newer fragment versions (overwrite), and reports progress;
 - the *client* keeps one connection, says hello, holds what the hook sends until the welcome
   arrives (progress coalesced beyond PROGRESS_QUEUED_MAX, pushes refused beyond PUSHES_QUEUED_MAX)
   and reconnects with jittered exponential backoff; like the real client, the backoff only grows
@@ -79,7 +80,6 @@ class Inbox:
     welcome: dict | None = None
     welcomes: int = 0
     session: int | None = None  # the learner id of the latest welcome
-    requests: list = field(default_factory=list)
     updates: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
 
@@ -206,8 +206,6 @@ class SimLearner:
             self._flush()
             if not self.started:
                 self._begin(body)
-        elif message.kind == "request":
-            self.inbox.requests.append(body)
         elif message.kind == "update":
             current = self.inbox.updates.get(body["fragment"])
             if current is None or body["version"] >= current["version"]:
@@ -254,10 +252,12 @@ class SimLearner:
     def _reset_session(self, welcome: dict) -> None:
         p = self.layout.num_fragments
         self.learner_id = welcome["learner"]
+        self.period, self.offsets = welcome["period"], tuple(welcome["offsets"])
         self.versions = [-1] * p
         self.base: list[np.ndarray | None] = [None] * p
         self.steps = [0] * p
         self.tokens = [0] * p
+        self.deferred: dict = {}  # versions arrived with a push of their fragment: applied a step later
         if welcome["needs_init"]:
             for q in range(p):
                 values = self._gather(q)
@@ -279,15 +279,28 @@ class SimLearner:
             self.steps[q] += 1
             self.tokens[q] += tokens
             self.counted[(self.learner_id, q, self.versions[q])] = self.tokens[q]
-        requests, updates, welcomes = self.inbox.requests, self.inbox.updates, self.inbox.welcomes
-        self.inbox.requests, self.inbox.updates, self.inbox.errors = [], {}, []
+        updates, welcomes = self.inbox.updates, self.inbox.welcomes
+        self.inbox.updates, self.inbox.errors = {}, []
+        due = all(v >= 0 for v in self.versions)
         if welcomes != self.welcomes_seen:
             self.welcomes_seen = welcomes
             self._reset_session(self.inbox.welcome)
-            requests = []  # asked of the old session
-        for req in requests:
-            self._answer(req)
-        for q, update in sorted(updates.items()):
+            due = False  # a new session pushes from its next due step
+        pushed = set()
+        if due:  # before arrived versions overwrite the fragments, as learner/sync.py copies them
+            for q, t in enumerate(self.offsets):
+                if self.step_count % self.period == t:
+                    self._push(q)
+                    pushed.add(q)
+        # As learner/sync.py: a version that arrives with a push of its fragment waits a step, so
+        # that the progress report of the new version follows the push of the old one.
+        arrived, self.deferred = self.deferred, {}
+        for q, update in updates.items():
+            if q in pushed and q not in arrived:
+                self.deferred[q] = update
+            elif q not in arrived or update["version"] >= arrived[q]["version"]:
+                arrived[q] = update
+        for q, update in sorted(arrived.items()):
             self._apply(q, update)
         if self.quiet:
             self._later(self._step_time(), f"learner {self.index} steps", self._step)
@@ -314,15 +327,12 @@ class SimLearner:
         self.steps_trained += 1
         return tokens
 
-    def _answer(self, req: dict) -> None:
-        q = req["fragment"]
-        if self.base[q] is None or req["base_version"] != self.versions[q]:
-            return  # a request against a version it does not hold: the next round asks again
+    def _push(self, q: int) -> None:
         delta = self.base[q] - self._gather(q)
         payload = codec.encode(delta, self.profile.codec, self.layout.block)
         # The core's push value, made once, as learner.sync makes it; the network charges the codec's bytes.
         push = Push(
-            self.learner_id, q, req["round"], req["base_version"], self.steps[q], self.tokens[q], codec.parse(payload)
+            self.learner_id, q, self.step_count, self.versions[q], self.steps[q], self.tokens[q], codec.parse(payload)
         )
         self._send(Message("push", push, len(payload), bulk=True))
 

@@ -155,14 +155,14 @@ class SimSyncer:
                 "versions": effect.versions,
                 "global_step": effect.global_step,
                 "needs_init": effect.needs_init,
+                "period": effect.period,
+                "offsets": effect.offsets,
             }
             message = Message("welcome", body, CONTROL_BYTES + 256)
-        elif isinstance(effect, SendError):
+        else:
+            assert isinstance(effect, SendError), f"a control effect the chaos shell does not know: {effect!r}"
             body = {"code": effect.code, "text": effect.text, "fatal": effect.fatal}
             message = Message("error", body, CONTROL_BYTES + len(effect.text))
-        else:
-            body = {"fragment": effect.fragment, "round": effect.round, "base_version": effect.base_version}
-            message = Message("request", body, CONTROL_BYTES)
         self.network.send(conn, DOWN, message)
 
     def send_update(self, conns: tuple[int, ...], fragment: int, name: str, version: int, values: np.ndarray) -> None:

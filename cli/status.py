@@ -23,7 +23,7 @@ __all__ = ["add_arguments", "render", "run"]
 
 DECISIONS_PRINTED = 8
 NAME_CHARS_PRINTED = 40  # a longer name is cut (with "...") so the table stays a table
-PUSHED_FATES = ("merged", "late", "stale", "rejected")
+PUSHED_FATES = ("merged", "merged_late", "late", "stale", "rejected")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,8 +97,8 @@ def render(doc: dict, url: str) -> str:
                 str(lr["step"]),
                 str(lr.get("versions_behind", "?")),
                 f"{lr['last_seen_s_ago']:.1f} s ago",
-                _share(pushed.get("merged", 0), total),
-                _share(pushed.get("late", 0), total),
+                _share(pushed.get("merged", 0) + pushed.get("merged_late", 0), total),
+                _share(pushed.get("merged_late", 0), total),
             ]
         )
     out.extend(_table(rows))

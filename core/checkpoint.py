@@ -237,7 +237,7 @@ def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
     state.next_learner = int(manifest["next_learner"])
     state.timing = Timing(*manifest["timing"])
     books = manifest["ledger"]
-    totals = {f: int(books["totals"][f]) for f in FATES}
+    totals = {f: int(books["totals"].get(f, 0)) for f in FATES}  # merged_late: since protocol 2
     # Windows that were open when the checkpoint was written belong to learners that will come back
     # under new ids: their unpushed tokens were never merged and are booked as lost.
     totals["lost"] += int(books["open"])

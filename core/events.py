@@ -48,7 +48,9 @@ class Progress:
 class Push:
     """A learner's outer gradient of one fragment: the one shape of a push from the learner to the merge.
 
-    The learner makes it once (`learner.sync`, its payload the encoder's buffer); the wire message
+    The learner pushes on its own schedule (protocol 2: at its step `step` with step mod H == t_p,
+    docs/protocol.md, "Learner-driven pushes"); the syncer decides which round of the fragment it
+    joins, and discounts it by its staleness at merge time (docs/algorithm.md). The learner makes it once (`learner.sync`, its payload the encoder's buffer); the wire message
     carries the same fields (net.session, the payload's body and its codec, block and size); on the
     syncer it is rebuilt over the received bytes, `learner` set from the connection (the sender's own
     `learner` is never trusted, nor sent), and the core keeps it in the open round as it is: it is
@@ -56,7 +58,7 @@ class Push:
 
     learner: int
     fragment: int
-    round: int
+    step: int  # the learner's step at which it computed the outer gradient
     base_version: int
     steps: int
     tokens: int
@@ -103,17 +105,10 @@ class SendWelcome:
     needs_init: bool  # the syncer holds no parameters and asks this learner for them
     peers: tuple[tuple[int, str, tuple[int, ...]], ...] = ()  # (learner, peer url, versions) of live peers
     # The round schedule (core.schedule): fragment p's round opens at global steps t with
-    # t mod period == offsets[p]; a learner reports its progress at those steps without delay.
+    # t mod period == offsets[p]; a learner pushes fragment p at its own steps t of that phase, and
+    # reports its progress at those steps without delay.
     period: int = 1
     offsets: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class SendRequest:
-    learner: int
-    fragment: int
-    round: int
-    base_version: int
 
 
 @dataclass(frozen=True)
@@ -175,7 +170,7 @@ class Merged:
     round_s: float  # round open to close
 
 
-Effect = Union[SendWelcome, SendRequest, SendUpdate, SendError, ArmTimer, Drop, WriteCheckpoint, Log, Merged]
+Effect = Union[SendWelcome, SendUpdate, SendError, ArmTimer, Drop, WriteCheckpoint, Log, Merged]
 
 ERROR_CODES = (
     "bad_layout",

@@ -4,24 +4,33 @@ Tokens are counted per (learner, fragment) *window*: the stretch of training bet
 of fragment p by learner m (docs/algorithm.md, "Learner loop": the counters run since the learner last
 received fragment p). A window's tokens end as:
 
-- merged: they were in a push that took part in a merge,
-- late: in a push that arrived after its round had closed,
-- stale: in a push computed against an old version of the fragment,
-- rejected: in a push refused for bad content (wrong size, NaN, duplicate...),
+- merged: they were in a push that took part in a merge on time (computed against the version the
+  merge applied to),
+- merged_late: in a push merged with a staleness of 1 to STALENESS_MAX versions (core.syncer),
+  its weight discounted (docs/algorithm.md, "Late pushes"),
+- late: in a push of zero weight that a merge left out,
+- stale: protocol 1 only (a push against an old version was refused); stays 0 since protocol 2,
+  kept so that older checkpoints and dashboards still read,
+- rejected: in a push refused for bad content (wrong size, NaN...),
 - lost: never pushed (trained after the push and then overwritten by the merged fragment, or the
-  learner died before it could push). A push delivered before its learner died is decided with
-  its round like any other.
+  learner died before it could push), in a push too stale to merge (more than STALENESS_MAX
+  versions behind), or in a waiting push replaced by the learner's next one computed from a newer
+  base (the older one's progress was overwritten on the learner). A push delivered before its
+  learner died is decided with its round like any other.
 
 A window is open while the learner trains; it closes when the learner reports that it holds a newer
-version of the fragment (its counters reset) or when the learner is gone. The invariant is
-`reported == merged + late + stale + rejected + lost + open`, checked by `check`.
+version of the fragment (its counters reset) or when the learner is gone. An admitted push's tokens
+are *held* (`hold`) until its round decides them (`decide`): a push waits for the next round of its
+fragment while its learner may already have received a newer version and closed its window. Held
+tokens count as open. The invariant is
+`reported == merged + merged_late + late + stale + rejected + lost + open`, checked by `check`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FATES = ("merged", "late", "stale", "rejected", "lost")
+FATES = ("merged", "merged_late", "late", "stale", "rejected", "lost")
 
 
 @dataclass
@@ -38,6 +47,9 @@ class Ledger:
     # Fated tokens per learner (merged/late/stale/rejected; not lost), for the operator's per-learner
     # shares. Not in a checkpoint: a resumed syncer counts them from zero (a counter reset).
     by_learner: dict[int, dict[str, int]] = field(default_factory=dict)
+    # Tokens of admitted pushes not decided yet, per (learner, fragment): one waiting push each
+    # (a newer push of the same learner and fragment replaces the older one, core.syncer).
+    held: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def report(self, learner: int, fragment: int, tokens: int, *, reset: bool) -> None:
         """The learner's window counter for `fragment` is now `tokens`; `reset` when the learner says
@@ -52,32 +64,40 @@ class Ledger:
         window.tokens = max(window.tokens, tokens, window.fated)
 
     def fate(self, learner: int, fragment: int, tokens: int, fate: str) -> None:
-        """A push carrying `tokens` of this window was decided as `fate`."""
-        assert fate in FATES and fate != "lost", fate
+        """A push carrying `tokens` of this window was decided as `fate` on arrival (a rejection)."""
+        assert fate in FATES, fate
+        self._book(learner, fate, self._fresh(learner, fragment, tokens))
+
+    def hold(self, learner: int, fragment: int, tokens: int) -> None:
+        """A push carrying `tokens` of this window was admitted: they wait for its round's decision.
+        Added to what an earlier push of the same window left held (the newer push covers it)."""
+        key = (learner, fragment)
+        self.held[key] = self.held.get(key, 0) + self._fresh(learner, fragment, tokens)
+
+    def decide(self, learner: int, fragment: int, fate: str) -> None:
+        """The waiting push of (learner, fragment) was decided as `fate`: its held tokens get it."""
+        assert fate in FATES, fate
+        self._book(learner, fate, self.held.pop((learner, fragment), 0))
+
+    def _fresh(self, learner: int, fragment: int, tokens: int) -> int:
+        """The tokens of a push not given to an earlier push of the same window (a second push of
+        the window carries the same counter again, grown): marked as fated in the window."""
         window = self.windows.setdefault((learner, fragment), _Window())
-        # Only tokens not fated already in this window count (a second push of the same window,
-        # e.g. after a stale rejection, carries the same counter again).
         fresh = max(0, tokens - window.fated)
         window.fated += fresh
         window.tokens = max(window.tokens, window.fated)
-        self.totals[fate] += fresh
-        if fresh:
+        return fresh
+
+    def _book(self, learner: int, fate: str, tokens: int) -> None:
+        self.totals[fate] += tokens
+        if tokens and fate != "lost":
             mine = self.by_learner.setdefault(learner, {})
-            mine[fate] = mine.get(fate, 0) + fresh
+            mine[fate] = mine.get(fate, 0) + tokens
 
-    def learner_gone(self, learner: int, awaiting: frozenset[int] = frozenset()) -> None:
-        """Close the learner's windows, except those of the fragments in `awaiting`: a push of
-        theirs waits in an open round and takes part in its decision; `settle` closes them then."""
-        for key in [k for k in self.windows if k[0] == learner and k[1] not in awaiting]:
+    def learner_gone(self, learner: int) -> None:
+        """Close the learner's windows. Its waiting pushes stay held: their rounds decide them."""
+        for key in [k for k in self.windows if k[0] == learner]:
             self._close(self.windows.pop(key))
-
-    def settle(self, learner: int, fragment: int, tokens: int, fate: str) -> None:
-        """The push a departed learner left waiting was decided as `fate`: book it, close its window.
-        Nothing happens for a window that was not kept open (`learner_gone` booked it as lost)."""
-        if (learner, fragment) not in self.windows:
-            return
-        self.fate(learner, fragment, tokens, fate)
-        self._close(self.windows.pop((learner, fragment)))
 
     def _close(self, window: _Window) -> None:
         self.totals["lost"] += window.tokens - window.fated
@@ -85,7 +105,7 @@ class Ledger:
 
     @property
     def open(self) -> int:
-        return sum(w.tokens - w.fated for w in self.windows.values())
+        return sum(w.tokens - w.fated for w in self.windows.values()) + sum(self.held.values())
 
     @property
     def reported(self) -> int:

@@ -8,11 +8,14 @@ The state owns the global fragments (tens of millions of floats), so `handle` up
 returns it rather than copying it per event; everything the syncer knows lives in this one value.
 
 Round life: a round of fragment p opens when the global step (the step of the K-th most advanced live
-learner) reaches a step t with t mod H == t_p. Every live learner is asked for its outer gradient.
-Admissible pushes are kept; when K have arrived the grace window is computed, and the round closes
-when it expires, when every asked learner that is still connected has delivered, or when the next
-round of the same fragment opens. Closing merges (mean or RDA, token weighted), applies the outer
-Nesterov step, bumps the version and broadcasts the fragment.
+learner) reaches a step t with t mod H == t_p. Nobody is asked: learners push fragment p on their own
+at their steps of that phase (protocol 2, docs/protocol.md "Learner-driven pushes"). The round takes
+what arrives: pushes kept while no round of p was open join it when it opens, later ones while it is
+open; one push per learner (a newer one replaces the older). When K have arrived the grace window is
+computed, and the round closes when it expires, when every learner live at its opening that is still
+connected has delivered, or when the next round of the same fragment opens. Closing merges (mean or
+RDA, token weighted, a push s versions behind discounted by 1/(1+s)), applies the outer Nesterov step,
+bumps the version and broadcasts the fragment.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from ddiloco.core.events import (
     Push,
     Rejection,
     SendError,
-    SendRequest,
     SendUpdate,
     SendWelcome,
     TimerFired,
@@ -56,7 +58,7 @@ from ddiloco.core.merge import merge_round
 from ddiloco.core.schedule import Schedule
 from ddiloco.core.weights import TOKENS_MAX
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spare cover failures
 # The most one progress report may move a learner's step past both its last report and the global
 # step (a (re)joining learner starts counting from the global step of its welcome). A learner reports
@@ -64,6 +66,13 @@ PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spar
 # few periods at most; a larger jump is a corrupt counter, and taking it would let one message move
 # the global step (with quorum 1) arbitrarily far.
 STEP_JUMP_MAX = 100_000
+# The most versions a push's base may lag behind the version its round merges onto (its staleness s).
+# A push s >= 1 behind is merged with its weight times 1/(1+s) (docs/algorithm.md, "Late pushes");
+# beyond this it is refused and its tokens booked lost: its outer gradient mostly repeats what the
+# versions since have merged, and a learner that far behind recovers faster by taking the new version.
+STALENESS_MAX = 8
+# Late pushes are summed in one log line at most this often (on the syncer's clock), not one per push.
+LATE_LOG_INTERVAL_S = 60.0
 
 
 class LearnerStatus(str, enum.Enum):
@@ -95,7 +104,7 @@ class Round:
     number: int
     opened_at: float
     opened_step: int
-    asked: tuple[int, ...]
+    asked: tuple[int, ...]  # the learners expected to deliver: the live ones when it opened
     pushes: dict[int, Push] = field(default_factory=dict)  # learner -> its admitted push, kept as it arrived
     quorum_at: float | None = None
     grace_s: float = 0.0
@@ -108,6 +117,9 @@ class FragmentState:
     version: int = 0
     rounds_opened: int = 0
     open: Round | None = None
+    # Admitted pushes that arrived while no round of the fragment was open (or whose round was
+    # skipped): they join its next round. learner -> push; not in a checkpoint (like an open round).
+    kept: dict[int, Push] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,11 @@ class SyncerState:
     merges_since_checkpoint: int = 0
     checkpoint_at: float = 0.0
     init_source: str = ""  # "file", or "learner N" when a learner's hello seeded version 0
+    # Late pushes (staleness >= 1 at merge): "carried" (merged, discounted) and "rejected" (beyond
+    # STALENESS_MAX), since the start; and the same since the last summary log line, written then.
+    late_pushes: dict[str, int] = field(default_factory=lambda: {"carried": 0, "rejected": 0})
+    late_unlogged: dict[str, int] = field(default_factory=lambda: {"carried": 0, "rejected": 0})
+    late_logged_at: float | None = None
 
     @property
     def holds_parameters(self) -> bool:
@@ -406,8 +423,9 @@ def _open_round(state: SyncerState, p: int, step: int, now: float, out: list[Eff
     frag.rounds_opened += 1
     asked = tuple(r.id for r in state.live())
     frag.open = Round(frag.rounds_opened, now, step, asked)
-    for learner in asked:
-        out.append(SendRequest(learner, p, frag.rounds_opened, frag.version))
+    if frag.kept:  # pushes that arrived between two rounds join this one, in learner order
+        frag.open.pushes, frag.kept = dict(sorted(frag.kept.items())), {}
+        _after_delivery(state, p, now, out)
 
 
 # ---- pushes -----------------------------------------------------------------------------------------
@@ -429,12 +447,22 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
             state.ledger.fate(ev.learner, ev.fragment, ev.tokens, rejection.fate)
         _reject(state, ev.learner, rejection, out)
         if rejection.code == "stale":
+            _count_late(state, "rejected", now, out)
             out.append(update_effect(state, ev.fragment, (ev.learner,)))
         return
     frag = state.fragments[ev.fragment]
-    rnd = frag.open
-    rnd.pushes[ev.learner] = ev
-    _after_delivery(state, ev.fragment, now, out)
+    waiting = frag.open.pushes if frag.open is not None else frag.kept
+    older = waiting.get(ev.learner)
+    if older is not None and older.base_version != ev.base_version:
+        # The newer push starts from a newer base: the older one's progress was overwritten on the
+        # learner and is in neither. (From the same base, the newer push holds the older one's
+        # progress and its tokens: the held tokens carry over.)
+        state.ledger.decide(ev.learner, ev.fragment, "lost")
+    if books:
+        state.ledger.hold(ev.learner, ev.fragment, ev.tokens)
+    waiting[ev.learner] = ev
+    if frag.open is not None:
+        _after_delivery(state, ev.fragment, now, out)
 
 
 def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None:
@@ -443,17 +471,12 @@ def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None
     if not _valid_fragment(state, ev.fragment):
         return Rejection("bad_shape", f"fragment {ev.fragment} does not exist")
     frag = state.fragments[ev.fragment]
-    rnd = frag.open
-    if rnd is None or ev.round < rnd.number:
-        return Rejection("late", f"round {ev.round} of fragment {ev.fragment} is closed", fate="late")
-    if ev.round > rnd.number:
-        return Rejection("unknown_round", f"fragment {ev.fragment} has no round {ev.round} (open: {rnd.number})")
-    if ev.base_version != frag.version:
+    if ev.base_version > frag.version:
         return Rejection(
-            "stale", f"fragment {ev.fragment}: base version {ev.base_version}, current {frag.version}", fate="stale"
+            "bad_counters", f"fragment {ev.fragment}: base version {ev.base_version} is newer than {frag.version}"
         )
-    if ev.learner in rnd.pushes:
-        return Rejection("duplicate", f"learner {ev.learner} already pushed round {ev.round} of fragment {ev.fragment}")
+    if frag.version - ev.base_version > STALENESS_MAX:
+        return _too_stale(ev, frag.version)
     padded = state.layout.fragments[ev.fragment].padded_size
     if ev.payload.elements != padded:
         return Rejection("bad_shape", f"fragment {ev.fragment} has {padded} elements, push has {ev.payload.elements}")
@@ -469,6 +492,34 @@ def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None
     if not ev.payload.all_finite():
         return Rejection("non_finite", f"outer gradient of fragment {ev.fragment} has NaN or Inf values")
     return None
+
+
+def _too_stale(ev: Push, version: int) -> Rejection:
+    return Rejection(
+        "stale",
+        f"fragment {ev.fragment}: base version {ev.base_version} is {version - ev.base_version} versions behind "
+        f"{version} (at most {STALENESS_MAX} are merged, discounted); its tokens are lost",
+        fate="lost",
+    )
+
+
+def _count_late(state: SyncerState, outcome: str, now: float, out: list[Effect]) -> None:
+    """Count a late push; at most once per LATE_LOG_INTERVAL_S, one line sums those since the last."""
+    state.late_pushes[outcome] += 1
+    state.late_unlogged[outcome] += 1
+    if state.late_logged_at is None:
+        state.late_logged_at = now  # the first interval starts with the first late push
+    if now - state.late_logged_at < LATE_LOG_INTERVAL_S:
+        return
+    n = state.late_unlogged
+    out.append(
+        Log(
+            "info",
+            f"late pushes: {n['carried']} carried, {n['rejected']} rejected in the last {now - state.late_logged_at:.0f} s",
+        )
+    )
+    state.late_unlogged = {"carried": 0, "rejected": 0}
+    state.late_logged_at = now
 
 
 def _counters_valid(steps: int, tokens: int) -> bool:
@@ -519,52 +570,69 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
     frag = state.fragments[p]
     rnd = frag.open
     frag.open = None
-    contributions = [push for _, push in sorted(rnd.pushes.items())]
-    positive = [c for c in contributions if c.weight > 0]
+    kept: dict[int, Push] = {}
+    for m, push in sorted(rnd.pushes.items()):
+        if frag.version - push.base_version > STALENESS_MAX:  # grew stale while it waited
+            state.ledger.decide(m, p, "lost")
+            _count_late(state, "rejected", now, out)
+        else:
+            kept[m] = push
+    positive = [_Discounted(c, frag.version - c.base_version) for c in kept.values() if c.weight > 0]
     missing = [m for m in rnd.asked if m not in rnd.pushes]
     if len(positive) < state.config.quorum:
-        for m, push in rnd.pushes.items():
-            _book_push(state, m, p, push.tokens, "late")
+        # Nothing merged: the pushes are as good for the next round of the fragment as they were for this.
+        frag.kept = kept | frag.kept
         _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{state.config.quorum} ({why})", out)
         return
     spec = state.layout.fragments[p]
     delta, info = merge_round(positive, spec, state.config.merge)
     frag.theta, frag.momentum = outer.update(frag.momentum, frag.theta, delta, state.config.outer, donate=True)
-    for m, push in rnd.pushes.items():
-        _book_push(state, m, p, push.tokens, "merged" if push.weight > 0 else "late")
+    for m, push in kept.items():
+        late = push.base_version != frag.version
+        state.ledger.decide(m, p, ("merged_late" if late else "merged") if push.weight > 0 else "late")
+        if late and push.weight > 0:
+            _count_late(state, "carried", now, out)
     frag.version += 1
     state.merges += 1
     state.merges_since_checkpoint += 1
     late_text = f"; missing {', '.join(f'learner {m}' for m in missing)}" if missing else ""
+    stale = sum(1 for c in positive if c.staleness)
+    stale_text = f"; {stale} late, discounted" if stale else ""
     waited = (now - rnd.quorum_at) * 1000 if rnd.quorum_at is not None else 0.0
     fallback = f"; mean fallback for {len(info.mean_fallback_tensors)} tensors" if info.mean_fallback_tensors else ""
     reason = (
         f"merged {len(positive)}/{len(rnd.asked)} (quorum {state.config.quorum}) after {waited:.0f} ms of grace: "
-        f"{why}{late_text}{fallback}"
+        f"{why}{late_text}{stale_text}{fallback}"
     )
     _decide(state, now, p, rnd, "merged", reason, out)
     out.append(update_effect(state, p, tuple(r.id for r in state.connected() if r.status in _RECEIVERS)))
     out.append(Merged(p, frag.version, info.learners, info.weights, rnd.grace_s, now - rnd.opened_at))
 
 
+@dataclass(frozen=True)
+class _Discounted:
+    """A push as the merge reads it (core.merge.Contribution): its token weight times 1/(1+s) for a
+    staleness of s versions (docs/algorithm.md, "Late pushes"). On time (s = 0) the weight is the
+    push's own, bit for bit."""
+
+    push: Push
+    staleness: int
+
+    @property
+    def learner(self) -> int:
+        return self.push.learner
+
+    @property
+    def payload(self) -> codecs.Encoded:
+        return self.push.payload
+
+    @property
+    def weight(self) -> float:
+        w = self.push.weight
+        return w if self.staleness == 0 else w / (1 + self.staleness)
+
+
 _RECEIVERS = (LearnerStatus.LIVE, LearnerStatus.RECOVERING)
-
-
-def _book_push(state: SyncerState, learner: int, p: int, tokens: int, fate: str) -> None:
-    """Give a kept push's tokens their fate, if its ledger window is still open: the learner's
-    window of the fragment's current version, or the window a learner that left kept open for it
-    (`_books_pending`)."""
-    rec = state.learners[learner]
-    if rec.status is LearnerStatus.GONE:
-        state.ledger.settle(learner, p, tokens, fate)
-    elif rec.versions[p] == state.fragments[p].version:
-        state.ledger.fate(learner, p, tokens, fate)
-
-
-def _books_pending(state: SyncerState, rec: LearnerRecord, p: int) -> bool:
-    """Whether the learner's push waits in fragment p's open round, on the window `_book_push` books."""
-    rnd = state.fragments[p].open
-    return rnd is not None and rec.id in rnd.pushes and rec.versions[p] == state.fragments[p].version
 
 
 def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, reason: str, out: list[Effect]) -> None:
@@ -606,8 +674,7 @@ def _on_disconnect(state: SyncerState, ev: Disconnect, now: float, out: list[Eff
         return
     was = rec.status
     rec.status = LearnerStatus.GONE
-    awaiting = frozenset(p for p, frag in enumerate(state.fragments) if _books_pending(state, rec, p))
-    state.ledger.learner_gone(rec.id, awaiting)
+    state.ledger.learner_gone(rec.id)
     out.append(Log("warning", f"learner {rec.id} ({rec.name}) gone: {ev.reason}"))
     if was is LearnerStatus.INITIALIZING:
         _hand_over_init(state, out)

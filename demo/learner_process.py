@@ -161,6 +161,7 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
                 )
         if ce_array is not None:  # the summary's loss is that of the last step taken
             ce = float(ce_array)
+        sync.close()  # sends the pushes whose copies the last step started: recorded before the tape closes
         if writer is not None:
             writer.close(sync.calls, sync.step_count, sync.params_sha256(params))
     finally:

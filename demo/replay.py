@@ -6,7 +6,7 @@ The syncer's tapes name pushed payloads by hash only: they are regenerated here.
 
 1. Every learner incarnation is trained again by the same code (`demo.learner_process.run_learner`) from its
    recorded configuration and seed, with a stand-in for the network that hands the sync hook, at the
-   same call, what the live run's hook took (requests, fragment versions, errors, welcomes), and a
+   same call, what the live run's hook took (fragment versions, errors, welcomes), and a
    stand-in for the peers that gives back the state it recovered. Each push, initial fragment and
    published snapshot it makes must hash as recorded, and at a clean end its final parameters too.
 2. The syncer's core replays its tape(s) (core.replay) with the push and init payloads from step 1:
@@ -89,15 +89,15 @@ class _Transport:
     def wait_welcome(self, timeout_s: float) -> session.WelcomeInfo:
         return self.first
 
-    def take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
+    def take(self) -> tuple[dict, list, tuple[int, session.WelcomeInfo | None]]:
         self.calls += 1
         taken = self.takes.get(self.calls)
         if taken is None:
-            return [], {}, [], (self.welcomes, self.current)
-        welcomes, welcome = taken[3]
+            return {}, [], (self.welcomes, self.current)
+        welcomes, welcome = taken[2]
         if welcome is not None:
             self.welcomes, self.current = welcomes, welcome
-        return taken[0], taken[1], taken[2], (self.welcomes, self.current)
+        return taken[0], taken[1], (self.welcomes, self.current)
 
     def progress(self, item: session.ProgressInfo) -> None:
         pass  # the syncer's tape has the progress it received
@@ -204,7 +204,7 @@ def _learner_divergence(tape: ltapes.LearnerTape, rep: LearnerReplay) -> str | N
         {
             "call": c,
             "fragment": p.fragment,
-            "round": p.round,
+            "step": p.step,
             "base_version": p.base_version,
             "steps": p.steps,
             "tokens": p.tokens,

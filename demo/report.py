@@ -24,7 +24,8 @@ __all__ = [
     "uptime_and_longest_gap",
 ]
 
-LEDGER_FATES = ("merged", "late", "stale", "rejected", "lost", "open")  # core.ledger's fates, and still open
+# core.ledger's fates, and still open; "merged" counts merged_late too, its share said beside it
+LEDGER_FATES = ("merged", "late", "stale", "rejected", "lost", "open")
 
 
 @dataclass
@@ -69,7 +70,13 @@ def ledger_lines(ledger: dict, fragments: int) -> list[str]:
     reported = ledger.get("reported", 0)
     if not reported:
         return ["token ledger   nothing reported"]
-    shares = ", ".join(f"{fate} {100 * ledger.get(fate, 0) / reported:.1f}%" for fate in LEDGER_FATES)
+    late = ledger.get("merged_late", 0)  # merged against an older version, weight discounted (protocol 2)
+    counts = {fate: ledger.get(fate, 0) + (late if fate == "merged" else 0) for fate in LEDGER_FATES}
+    shares = ", ".join(
+        f"{fate} {100 * n / reported:.1f}%"
+        + (f" ({100 * late / reported:.1f}% late, discounted)" if fate == "merged" and late else "")
+        for fate, n in counts.items()
+    )
     return [
         (
             f"token ledger   counted per fragment: each of the {reported // max(1, fragments):,} tokens trained is "

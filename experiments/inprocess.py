@@ -302,7 +302,7 @@ class InProcessTransport:
     def push(self, item: Push) -> None:
         self._check()
         if sum(isinstance(b, Push) for b in self._bulk) >= PUSHES_QUEUED_MAX:
-            self.pushes_dropped += 1  # as the client: a full push queue refuses, the next round asks again
+            self.pushes_dropped += 1  # as the client: a full push queue refuses; the next push carries its tokens
             return
         self._bulk.append(item)
 
@@ -310,14 +310,13 @@ class InProcessTransport:
         self._check()
         self._bulk.append(session.InitInfo(fragment, payload))
 
-    def take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
+    def take(self) -> tuple[dict, list, tuple[int, session.WelcomeInfo | None]]:
         self._check()
         box = self.inbox
-        requests, updates, errors = list(box.requests), dict(box.updates), list(box.errors)
-        box.requests.clear()
+        updates, errors = dict(box.updates), list(box.errors)
         box.updates.clear()
         box.errors.clear()
-        return requests, updates, errors, (box.welcomes, box.welcome)
+        return updates, errors, (box.welcomes, box.welcome)
 
     def take_markers(self) -> list[int]:
         return []  # the runner takes no consistent snapshots

@@ -327,7 +327,8 @@ class _Run:
             eval_loss=loss,
             bits_per_byte=loss / math.log(2),
             choice_accuracy=choice_accuracy(self.cfg.model, params),
-            goodput=(ledger["merged"] / settled) * (busy / max(allocated, 1e-9)),
+            # merged_late tokens are merged too (protocol 2: discounted by their staleness, not lost)
+            goodput=((ledger["merged"] + ledger["merged_late"]) / settled) * (busy / max(allocated, 1e-9)),
             wall_s=wall,
             reached_target_s=self.reached_at,
             tokens=self.tokens,

@@ -5,8 +5,9 @@ A learner may be one JAX program over N processes (`jax.distributed`), its param
 *leader*, holds the `DilocoSync` hook and the connection; the others hold none and take part in the
 collectives the hook's work needs, in the same order:
 
-    every step       the leader peeks at what arrived (requests, updates, a new welcome, snapshot
-                     markers) and broadcasts a header: int32[3 + P], the step, flags, which
+    every step       the leader peeks at what arrived (updates, a new welcome, snapshot markers),
+                     asks its hook which fragments are due to be pushed (`DilocoSync.due_next`),
+                     and broadcasts a header: int32[3 + P], the step, flags, which
                      fragments it must read (one small broadcast; the only cost of a quiet step)
     fragments read   an all-gather of those fragments' leaves (`process_allgather`), so the leader
                      holds host copies of whole leaves to encode an outer gradient from
@@ -15,7 +16,7 @@ collectives the hook's work needs, in the same order:
 
 The leader's hook never sees a global array: it gets a *host view* of the parameters, a pytree with
 the gathered leaves as numpy arrays and `jax.ShapeDtypeStruct` placeholders elsewhere (the hook reads
-only the fragments it answers, and writes only those that arrive). The hook's transport is wrapped
+only the fragments it pushes, and writes only those that arrive). The hook's transport is wrapped
 (`HeldTransport`) so that what the leader peeked at is what the hook then takes: both sides take the
 same decisions from the same header.
 
@@ -391,8 +392,9 @@ class MultiProcessSync:
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         assert self.tree is not None and not self._closed, "step on a closed MultiProcessSync"
-        # The step boundary, as in DilocoSync.step. The training step's own collectives finish
-        # here, so a process that died during it shows here too (under the same bound).
+        # The step boundary: the header's broadcast below waits for every process anyway, and the
+        # training step's own collectives finish here, so a process that died during it shows here
+        # too (under the same bound).
         self._collective("the training step", lambda: jax.block_until_ready(params))
         self.calls += 1
         fragments = self.layout.num_fragments
@@ -421,17 +423,17 @@ class MultiProcessSync:
     def _leader_header(self) -> StepHeader:
         """Peek at what arrived and say which fragments the hook will read and whether it may write."""
         assert self._held is not None and self.sync is not None
-        (requests, updates, _, (welcomes, welcome)), markers = self._held.peek()
+        (updates, _, (welcomes, welcome)), markers = self._held.peek()
         fragments = self.layout.num_fragments
         rejoin = welcomes != self.sync.welcomes_seen
         gather_all = bool(markers) or (rejoin and welcome is not None and welcome.needs_init)
-        held = self.sync.versions
         gather = set()
-        if not rejoin:  # a new session drops the old session's requests (DilocoSync.step)
-            gather |= {r.fragment for r in requests if r.base_version == held[r.fragment]}
+        if not rejoin:  # a new session starts no push at its first step (DilocoSync.step)
+            gather |= set(self.sync.due_next)
+        waiting = () if rejoin else self.sync.updates_waiting  # held back a call (DilocoSync.step)
         if self.config.alpha:  # mixing reads the fragment's current values
-            gather |= set(updates)
-        flags = (HEADER_FLAG_UPDATES if updates else 0) | (HEADER_FLAG_GATHER_ALL if gather_all else 0)
+            gather |= set(updates) | set(waiting)
+        flags = (HEADER_FLAG_UPDATES if updates or waiting else 0) | (HEADER_FLAG_GATHER_ALL if gather_all else 0)
         return StepHeader(self.calls, flags, tuple(q in gather for q in range(fragments)))
 
     def _leaves_of(self, fragments: tuple[bool, ...]) -> list[int]:

@@ -1,10 +1,13 @@
 """The per-step sync hook a JAX training loop calls: `params = sync.step(params, tokens=n)`.
 
 The learner loop of Decoupled DiLoCo (docs/algorithm.md, "Learner loop"). Each call, between two inner steps and without waiting on the
-network: counts the step and its tokens for every fragment; applies fragment versions that have
-arrived (overwrite, or an alpha mix) and resets their counters; answers the syncer's requests with
-the compressed outer gradient base_p - theta_p; and reports progress. The network runs on the
-client's own thread; a syncer that is down only means no merges for a while.
+network or the device: counts the step and its tokens for every fragment; at the steps where
+fragment p is due (step mod H == t_p, the welcome's schedule) starts copying fragment p to the host,
+and at the next call pushes the compressed outer gradient base_p - theta_p on its own (protocol 2,
+docs/protocol.md "Learner-driven pushes"); applies fragment versions that have arrived (overwrite, or
+an alpha mix) and resets their counters; and reports progress. A step with no fragment due and
+nothing arrived only counts. The network runs on the client's own thread; a syncer that is down only
+means no merges for a while.
 
     with DilocoSync.connect(params, SyncConfig(url=..., name=...)) as sync:
         params, opt_state = sync.recover(params, opt_state)
@@ -28,7 +31,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Self
 
-import jax
 import numpy as np
 
 from ddiloco.core import codec
@@ -43,7 +45,7 @@ from ddiloco.net import peer, session
 from ddiloco.net.client import ClientConfig, ThreadedClient
 from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
 
-__all__ = ["DilocoSync", "FragmentSync", "NotJoinedError", "RecoverFn", "SyncConfig", "check_alpha"]
+__all__ = ["DilocoSync", "FragmentSync", "NotJoinedError", "RecoverFn", "SyncConfig", "check_alpha", "due_fragments"]
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -112,6 +114,28 @@ class FragmentSync(NamedTuple):
         return self._replace(version=version, base=values, steps=0, tokens=0)
 
 
+# The most calls an arrived version waits behind a push of its fragment (`DilocoSync._apply_arrived`).
+DEFER_CALLS_MAX = 2
+
+
+def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """phase -> the fragments pushed at the steps of that phase (step mod period), in index order."""
+    due: dict[int, tuple[int, ...]] = {}
+    for q, t in enumerate(offsets):
+        due[t] = due.get(t, ()) + (q,)
+    return due
+
+
+class _InFlight(NamedTuple):
+    """A push on its way: fragment `fragment`'s host copy started at `step`, with the fragment's
+    sync state then (its base, version and counters are what the push carries)."""
+
+    fragment: int
+    step: int
+    frag: FragmentSync
+    leaves: list
+
+
 class DilocoSync:
     """One learner's side of Decoupled DiLoCo. Construct with the initial parameters (they become
     global state only if the syncer holds none and asks for them), then call `step` every step.
@@ -153,6 +177,15 @@ class DilocoSync:
         self.fragments: tuple[FragmentSync, ...] = ()
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
+        self._period = 1
+        self._due: dict[int, tuple[int, ...]] = {}  # the welcome's schedule, by phase (`due_fragments`)
+        self._in_flight: list[_InFlight] = []  # pushes whose host copies started, sent at the next call
+        # Arrived versions of fragments whose push is in flight or went out in this call, with the
+        # calls they waited: applied once the push went out at an earlier call, so that the report
+        # of the new version leaves after the push of the old one (the syncer books the push's
+        # tokens in the window of the version it was computed from).
+        self._deferred: dict[int, tuple[session.UpdateInfo, int]] = {}
+        self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -196,6 +229,7 @@ class DilocoSync:
         self._layout = layout_from_description(welcome.layout)
         self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
+        self._schedule(welcome)
         self.step_count = welcome.global_step
         self.recovered_from = "init" if welcome.needs_init else "syncer"
         if welcome.needs_init:
@@ -282,6 +316,8 @@ class DilocoSync:
         initial parameters died and this one is asked instead."""
         self._learner_id = welcome.learner
         self.fragments = (FragmentSync(),) * len(self.fragments)
+        self._in_flight, self._deferred = [], {}  # of the old session
+        self._schedule(welcome)
         if welcome.needs_init:
             self._send_init(params)
         else:
@@ -359,38 +395,63 @@ class DilocoSync:
 
     # ---- the step ------------------------------------------------------------------------------------
 
+    def _schedule(self, welcome: session.WelcomeInfo) -> None:
+        offsets = welcome.offsets or (0,) * len(self.fragments)
+        self._period, self._due = welcome.period, due_fragments(welcome.period, offsets)
+
+    @property
+    def due_next(self) -> tuple[int, ...]:
+        """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
+        step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
+        if not self.fragments or any(f.version < 0 for f in self.fragments):
+            return ()
+        return self._due.get((self.step_count + 1) % self._period, ())
+
+    @property
+    def pushes_in_flight(self) -> tuple[int, ...]:
+        """Fragments whose host copy a call started and whose push the next call sends."""
+        return tuple(f.fragment for f in self._in_flight)
+
+    @property
+    def updates_waiting(self) -> tuple[int, ...]:
+        """Fragments whose arrived version the next call applies although nothing new arrives: held
+        back one call behind the fragment's push (see `_apply_arrived`)."""
+        return tuple(sorted(self._deferred))
+
     def step(self, params: Any, tokens: int, opt_state: Any = None) -> Any:
         """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied.
-        Give `opt_state` to let (re)joining peers copy the optimizer state too."""
+        Give `opt_state` to let (re)joining peers copy the optimizer state too.
+
+        Never waits for the device: with JAX's asynchronous dispatch the loop runs ahead of it. At a
+        step where fragment p is due its copy to the host starts (`TreeFragments.start_gather`), and
+        the push goes out at the next call, which finds the copy landed."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
         client, _, layout = self._joined()
-        # The step boundary is where this step's parameters exist. With JAX's asynchronous dispatch
-        # a loop runs steps ahead of the device, and a request then waits both for the loop to come
-        # round and for the queue to drain: measured in the demo, a push left 350 ms (3.5 steps)
-        # after its request arrived, half the pushes missed their grace window and 47% of tokens
-        # were merged; waiting here, 85 ms and 93%.
-        jax.block_until_ready(params)
+        due = self.due_next
         self.step_count += 1
         self.calls += 1
         self.fragments = tuple(f.counted(tokens) for f in self.fragments)
-        requests, updates, errors, (welcomes, welcome) = client.take()
+        updates, errors, (welcomes, welcome) = client.take()
         if self.tape is not None:
-            self.tape.take(self.calls, requests, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
+            self.tape.take(self.calls, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
         if welcomes != self.welcomes_seen:
             assert welcome is not None, "a transport counted a welcome it did not hand over"
             self.welcomes_seen = welcomes
             self._rejoin(params, welcome)
-            requests = []  # asked of the old session
+            due = ()  # the schedule was of the old session
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
-        # Requests first: a request for base v that arrives together with version v+1 is still
-        # answered (the syncer books it as late rather than the tokens being silently overwritten).
-        for req in requests:
-            self._answer(params, req)
-        for q, update in sorted(updates.items()):
-            params = self._apply(params, q, update)
+        # Pushes started at an earlier call first: against the versions held then (a push of base v
+        # that arrives after version v+1 was merged still counts, discounted: it is not overwritten).
+        sent = self._send_in_flight() if self._in_flight else ()
+        # Due fragments are copied before arrived versions overwrite them: the push keeps the
+        # progress made since the version held.
+        for q in due:
+            self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
+        if updates or self._deferred:
+            params = self._apply_arrived(params, updates, sent)
         if all(f.version >= 0 for f in self.fragments):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live).
@@ -400,6 +461,7 @@ class DilocoSync:
         for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
             # pushes made so far, which is what makes the cut consistent.
+            self._send_in_flight()
             client.local_state(snapshot, self.local_state_bytes(params, opt_state))
             log.info("recorded the local state for snapshot %d at step %d", snapshot, self.step_count)
         if self.snapshots.wanted:  # a peer asked; the end of a step is a consistent point to copy
@@ -408,6 +470,10 @@ class DilocoSync:
                 self.tape.published(self.calls, self.step_count, snapshot)
             self.snapshots.publish(snapshot)
         return params
+
+    @property
+    def _tree(self) -> TreeFragments:
+        return self._joined()[1]
 
     def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
         if update.version <= self.fragments[q].version:
@@ -419,25 +485,50 @@ class DilocoSync:
         self.merged_versions_applied += 1
         return params
 
-    def _answer(self, params: Any, req: session.RequestInfo) -> None:
-        # A request computed against a version we no longer hold is answered by the next round.
-        frag = self.fragments[req.fragment]
-        if frag.base is None or req.base_version != frag.version:
-            return
+    def _apply_arrived(self, params: Any, updates: dict[int, session.UpdateInfo], sent: tuple[int, ...]) -> Any:
+        """Apply the newest arrived version of each fragment, except where a push of the fragment is
+        in flight or went out in this call: that one waits (`_deferred`), at most DEFER_CALLS_MAX
+        calls (with one fragment due every step, a push of it is always in flight)."""
+        arrived, self._deferred = self._deferred, {}
+        for q, update in updates.items():
+            if q not in arrived or update.version >= arrived[q][0].version:
+                arrived[q] = (update, arrived[q][1] if q in arrived else 0)
+        busy = set(sent) | {f.fragment for f in self._in_flight}
+        for q, (update, waited) in sorted(arrived.items()):
+            if q in busy and waited < DEFER_CALLS_MAX:
+                self._deferred[q] = (update, waited + 1)
+            else:
+                params = self._apply(params, q, update)
+        return params
+
+    def _send_in_flight(self) -> tuple[int, ...]:
+        """Encode and send the pushes whose host copies earlier calls started, in the order started;
+        the fragments pushed."""
+        flights, self._in_flight = self._in_flight, []
+        for flight in flights:
+            self._push(flight)
+        return tuple(f.fragment for f in flights)
+
+    def _push(self, flight: _InFlight) -> None:
         client, tree, layout = self._joined()
+        q, frag = flight.fragment, flight.frag
+        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in flight.leaves):
+            # A training step that donates its parameters freed them before the copy was read: this
+            # push is given up; the counters run on and the next push of the fragment carries them.
+            self.pushes_skipped += 1
+            log.warning("push of fragment %d at step %d skipped: its parameters were donated", q, flight.step)
+            return
         payload, feedback = _encode_delta(
-            frag.base - tree.gather(params, req.fragment),
-            frag.feedback,
+            frag.base - tree.finish_gather(q, flight.leaves),
+            self.fragments[q].feedback,
             self.config,
             layout.block,
             self.parallel_kernels,
         )
-        self._set(req.fragment, frag._replace(feedback=feedback))
+        self._set(q, self.fragments[q]._replace(feedback=feedback))
         # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
         # the hook knows it (the syncer takes the sender from the connection, not from the push).
-        push = Push(
-            self.learner_id, req.fragment, req.round, req.base_version, frag.steps, frag.tokens, codec.parse(payload)
-        )
+        push = Push(self.learner_id, q, flight.step, frag.version, frag.steps, frag.tokens, codec.parse(payload))
         if self.tape is not None:
             self.tape.push(self.calls, push)
         client.push(push)
@@ -471,6 +562,11 @@ class DilocoSync:
         if self._closed:
             return
         self._closed = True
+        try:
+            if self._in_flight and self.client is not None:
+                self._send_in_flight()  # the last step's pushes, sent (and recorded) before the goodbye
+        except Exception as exc:  # noqa: BLE001 - closing goes on: a client already stopped cannot send
+            log.warning("the last pushes were not sent: %s", exc)
         try:
             if self.client is not None:
                 self.client.close()

@@ -6,8 +6,9 @@ a learner killed and started again writes a new one). Together with the syncer's
 
 What a learner's trajectory depends on, and so what is recorded: its configuration and seed (the
 header; never the token), the welcome(s) it got, the state it recovered from a peer (the snapshot
-bytes, stored), and, per call of the sync hook, what the hook took from the network: fragment
-requests, arrived fragment versions (their payloads stored) and errors. What it produced is recorded
+bytes, stored), and, per call of the sync hook, what the hook took from the network: arrived
+fragment versions (their payloads stored) and errors. The welcome keeps its round schedule (period
+and offsets): the learner pushes on it (protocol 2). What it produced is recorded
 too, to be checked: its pushes and initial fragments (payload hashes), the snapshots it published for
 peers, and at a clean end the hash of its final parameters. Records are written before the message
 they describe leaves the process, so a SIGKILL never loses the record of something the syncer saw.
@@ -72,7 +73,15 @@ def _welcome_json(w: session.WelcomeInfo) -> dict:
 def _welcome(d: dict) -> session.WelcomeInfo:
     peers = tuple(session.PeerInfo(p["learner"], p["url"], tuple(p["versions"])) for p in d.get("peers", ()))
     return session.WelcomeInfo(
-        d["learner"], d["layout"], d["digest"], tuple(d["versions"]), d["global_step"], d["needs_init"], peers
+        d["learner"],
+        d["layout"],
+        d["digest"],
+        tuple(d["versions"]),
+        d["global_step"],
+        d["needs_init"],
+        peers,
+        d.get("period", 1),
+        tuple(d.get("offsets", ())),
     )
 
 
@@ -97,7 +106,6 @@ class LearnerTapeWriter(recording.RecordWriter):
     def take(
         self,
         call: int,
-        requests: list,
         updates: dict,
         errors: list,
         welcomes: int,
@@ -105,13 +113,12 @@ class LearnerTapeWriter(recording.RecordWriter):
         new_welcome: bool,
     ) -> None:
         """What one call of the sync hook took from the network (only written when it took something)."""
-        if not (requests or updates or errors or new_welcome):
+        if not (updates or errors or new_welcome):
             return
         self._append(
             {
                 "type": "take",
                 "call": call,
-                "requests": [[r.fragment, r.round, r.base_version] for r in requests],
                 "updates": [[q, u.version, self._value(u.encoded)] for q, u in sorted(updates.items())],
                 "errors": [[e.code, e.text, e.fatal] for e in errors],
                 "welcomes": welcomes,
@@ -125,7 +132,7 @@ class LearnerTapeWriter(recording.RecordWriter):
                 "type": "push",
                 "call": call,
                 "fragment": push.fragment,
-                "round": push.round,
+                "step": push.step,
                 "base_version": push.base_version,
                 "steps": push.steps,
                 "tokens": push.tokens,
@@ -165,15 +172,14 @@ class LearnerTape:
             raise LearnerTapeError(f"{self.directory}: the learner was never welcomed (nothing to replay)")
         return _welcome(first[0]["welcome"])
 
-    def takes(self) -> dict[int, tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]]:
+    def takes(self) -> dict[int, tuple[dict, list, tuple[int, session.WelcomeInfo | None]]]:
         """call -> what the hook took then, rebuilt with the session's types and stored payloads."""
         out = {}
         for r in self.of("take"):
-            requests = [session.RequestInfo(*x) for x in r["requests"]]
             updates = {q: session.UpdateInfo(q, v, self.encoded(ref["$payload"])) for q, v, ref in r["updates"]}
             errors = [session.ErrorInfo(*x) for x in r["errors"]]
             welcome = _welcome(r["welcome"]) if r["welcome"] else None
-            out[r["call"]] = (requests, updates, errors, (r["welcomes"], welcome))
+            out[r["call"]] = (updates, errors, (r["welcomes"], welcome))
         return out
 
     def encoded(self, ref: dict) -> codecs.Encoded:

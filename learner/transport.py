@@ -17,10 +17,9 @@ from ddiloco.net import session
 
 __all__ = ["SnapshotOutbox", "Taken", "Transport"]
 
-# What one `take` hands over: the syncer's requests, the newest arrived version of each fragment,
-# its errors, and (welcomes seen so far, the newest welcome): a count that changed means a new session.
+# What one `take` hands over: the newest arrived version of each fragment, the syncer's errors, and
+# (welcomes seen so far, the newest welcome): a count that changed means a new session.
 Taken: TypeAlias = tuple[
-    list[session.RequestInfo],
     dict[int, session.UpdateInfo],
     list[session.ErrorInfo],
     tuple[int, session.WelcomeInfo | None],
@@ -37,7 +36,7 @@ class Transport(Protocol):
         ...
 
     def take(self) -> Taken:
-        """Everything that arrived since the last call (requests and errors are consumed)."""
+        """Everything that arrived since the last call (updates and errors are consumed)."""
         ...
 
     def progress(self, item: session.ProgressInfo) -> None:
@@ -45,7 +44,7 @@ class Transport(Protocol):
         ...
 
     def push(self, item: Push) -> None:
-        """Send an outer gradient the syncer asked for."""
+        """Send an outer gradient (the learner pushes on its own schedule, protocol 2)."""
         ...
 
     def init(self, fragment: int, payload: bytes) -> None:

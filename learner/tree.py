@@ -90,10 +90,29 @@ class TreeFragments:
 
     def gather(self, params: Any, p: int) -> np.ndarray:
         """float32[padded] host copy of fragment p of `params`."""
+        return self.finish_gather(p, self.leaves(params, p))
+
+    def leaves(self, params: Any, p: int) -> list[Any]:
+        """Fragment p's leaves of `params`, as they are (device arrays stay on the device)."""
         leaves = self.treedef.flatten_up_to(params)
+        return [leaves[slot.leaf] for slot in self.slots[p]]
+
+    def start_gather(self, params: Any, p: int) -> list[Any]:
+        """Fragment p's leaves of `params`, their device-to-host copies started and not waited for:
+        `finish_gather` them a step or more later, when the copies have landed meanwhile. Nothing
+        waits for the device here (with asynchronous dispatch the leaves may not be computed yet)."""
+        mine = self.leaves(params, p)
+        for leaf in mine:
+            start = getattr(leaf, "copy_to_host_async", None)
+            if start is not None:
+                start()
+        return mine
+
+    def finish_gather(self, p: int, leaves: list[Any]) -> np.ndarray:
+        """float32[padded] host copy of fragment p from its `leaves` (`leaves` or `start_gather`)."""
         out = np.zeros(self.layout.fragments[p].padded_size, dtype=np.float32)
         # one transfer call for the fragment's leaves (measured: 74 against 104 us for five leaves)
-        hosts = jax.device_get([leaves[slot.leaf] for slot in self.slots[p]])
+        hosts = jax.device_get(leaves)
         for slot, host in zip(self.slots[p], hosts):
             out[slot.offset : slot.offset + slot.size] = np.asarray(host, dtype=np.float32).reshape(-1)
         return out

@@ -2,8 +2,8 @@
 
 `SyncerClient` keeps one websocket to the syncer: it says hello, reconnects with capped exponential
 backoff when the connection drops (a syncer that restarts only means no merges for a while), and
-sorts what arrives into an inbox: the welcome, fragment requests, fragment updates (the newest
-version of each fragment wins) and errors. Outgoing control messages (progress) go before bulk
+sorts what arrives into an inbox: the welcome, fragment updates (the newest version of each
+fragment wins) and errors. Outgoing control messages (progress) go before bulk
 frames (pushes), and every queue is bounded.
 
 `ThreadedClient` runs a `SyncerClient` on its own event loop in a background thread, so a training
@@ -114,7 +114,6 @@ class Inbox:
     """What has arrived; read and emptied by the training loop."""
 
     welcome: session.WelcomeInfo | None = None
-    requests: deque = field(default_factory=deque)  # session.RequestInfo
     updates: dict[int, session.UpdateInfo] = field(default_factory=dict)  # fragment -> newest
     errors: deque = field(default_factory=lambda: deque(maxlen=64))
     connects: int = 0
@@ -150,7 +149,7 @@ class SyncerClient:
         self._lost_at: float | None = None  # on the loop's clock: when a welcomed connection was lost
         self.last_error: str | None = None
         self.bytes_out = 0
-        self.pushes_dropped = 0  # pushes refused for a full queue (the round asks again)
+        self.pushes_dropped = 0  # pushes refused for a full queue (the next push of the fragment carries their tokens)
         # This learner's vector clock (docs/replay.md): ticked before every message sent, merged with
         # the clock of every message received. Kept across reconnects: it is the process's clock.
         self.clock = VClock()
@@ -173,9 +172,9 @@ class SyncerClient:
         if len(self._bulk) >= self.config.pushes_queued_max:
             self.pushes_dropped += 1
             log.warning(
-                "push of fragment %d round %d dropped: %d messages already queued (%d pushes dropped so far)",
+                "push of fragment %d at step %d dropped: %d messages already queued (%d pushes dropped so far)",
                 push.fragment,
-                push.round,
+                push.step,
                 len(self._bulk),
                 self.pushes_dropped,
             )
@@ -367,7 +366,7 @@ class SyncerClient:
 
     def _deliver(self, item: object) -> None:
         self.inbox.deliveries += 1
-        if self.inbox.markers and isinstance(item, (session.RequestInfo, session.UpdateInfo, session.MarkerInfo)):
+        if self.inbox.markers and isinstance(item, (session.UpdateInfo, session.MarkerInfo)):
             self.inbox.held.append(item)
             return
         if isinstance(item, session.WelcomeInfo):
@@ -375,8 +374,6 @@ class SyncerClient:
             self.inbox.welcomes += 1
             self.welcomed.set()
             self.settled.set()
-        elif isinstance(item, session.RequestInfo):
-            self.inbox.requests.append(item)
         elif isinstance(item, session.UpdateInfo):
             current = self.inbox.updates.get(item.fragment)
             if current is None or item.version >= current.version:
@@ -577,26 +574,25 @@ class ThreadedClient:
         got, self._markers = self._markers, []
         return got
 
-    def take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None]]:
-        """(requests, updates by fragment, errors) that arrived since the last call, and
-        (number of welcomes so far, the latest welcome)."""
+    def take(self) -> tuple[dict, list, tuple[int, session.WelcomeInfo | None]]:
+        """(updates by fragment, errors) that arrived since the last call, and (number of welcomes
+        so far, the latest welcome)."""
         self._check()
         if self._taken is not None and self._taken[0] == self._client.inbox.deliveries:
             # Nothing arrived since (most steps): no need to wait for the network thread to be
             # scheduled, which on busy cores can take a time slice. (`ddiloco bench learner` showed
             # no gain beyond its run-to-run noise; it is the cheaper path all the same.)
-            return [], {}, [], self._taken[1]
+            return {}, [], self._taken[1]
         fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
         *taken, deliveries = fut.result()
-        self._taken = (deliveries, taken[3])
-        self._welcomes_seen = taken[3][0]
-        self._welcome = taken[3][1] or self._welcome
+        self._taken = (deliveries, taken[2])
+        self._welcomes_seen = taken[2][0]
+        self._welcome = taken[2][1] or self._welcome
         return tuple(taken)
 
-    async def _take(self) -> tuple[list, dict, list, tuple[int, session.WelcomeInfo | None], int]:
+    async def _take(self) -> tuple[dict, list, tuple[int, session.WelcomeInfo | None], int]:
         box = self._client.inbox
-        requests, updates, errors = list(box.requests), dict(box.updates), list(box.errors)
-        box.requests.clear()
+        updates, errors = dict(box.updates), list(box.errors)
         box.updates.clear()
         box.errors.clear()
         self._markers += box.markers  # handed to the training thread by `take_markers`, after this take
@@ -606,7 +602,7 @@ class ThreadedClient:
         for item in held:  # after the marker: for the next take (held again behind a later marker)
             self._client._deliver(item)
         # Re-delivered held items counted above: the next take comes back here for them.
-        return requests, updates, errors, (box.welcomes, box.welcome), box.deliveries - len(held)
+        return updates, errors, (box.welcomes, box.welcome), box.deliveries - len(held)
 
     def _check(self) -> None:
         """A refused client has no loop left to talk to: say why, every time it is used."""

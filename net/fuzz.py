@@ -291,7 +291,7 @@ async def _until(predicate, what: str, timeout_s: float = WAIT_S_MAX) -> bool:
 
 
 async def _pulse(honest: list[_Honest]) -> None:
-    """The honest learners train: a step, their answers to requests, again."""
+    """The honest learners train: a step, their pushes of the fragments due, again."""
     while True:
         for h in honest:
             h.tick()
@@ -418,8 +418,9 @@ def _rss_bytes() -> int:
 
 
 class _Honest:
-    """A learner over the real client that trains normally: reports its steps, answers every request
-    with a small outer gradient, and checks every update it receives."""
+    """A learner over the real client that trains normally: reports its steps, pushes a small outer
+    gradient of each fragment due at its step (the welcome's schedule), and checks every update it
+    receives."""
 
     def __init__(self, url: str, name: str, seed: int, server: SyncerServer) -> None:
         self.name = name
@@ -485,13 +486,14 @@ class _Honest:
         return self.step
 
     def answer(self) -> None:
-        box = self.client.inbox
-        while box.requests:
-            r = box.requests.popleft()
-            vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-            self.client.queue_push(
-                Push(0, r.fragment, r.round, r.base_version, 1, 64, codecs.parse(codecs.encode(vec, "int4")))
-            )
+        """Push the fragments due at this step (protocol 2: nobody asks)."""
+        welcome = self.client.inbox.welcome
+        if welcome is None or not self.versions or min(self.versions) < 0:
+            return
+        for p in (q for q, t in enumerate(welcome.offsets) if self.step % welcome.period == t):
+            vec = self.rng.standard_normal(self.sizes[p]).astype(np.float32) * 0.01
+            push = Push(0, p, self.step, self.versions[p], 1, 64, codecs.parse(codecs.encode(vec, "int4")))
+            self.client.queue_push(push)
 
     async def stop(self) -> None:
         if self.task is None:
@@ -515,7 +517,6 @@ class _Hostile:
         self.welcome: session.WelcomeInfo | None = None
         self.sizes: list[int] = [256, 256]
         self.versions: list[int] = [0, 0]
-        self.requests: deque = deque(maxlen=16)
         self.step = 0
         self.non_finite = False
         self.updates_checked = 0
@@ -544,7 +545,6 @@ class _Hostile:
         )
         self.report.connections += 1
         self.welcome = None
-        self.requests.clear()
         self.reader = asyncio.create_task(self._read(self.ws))
         if rng.random() < 0.85:  # mostly a real session, so the messages after the hello reach the core
             hello = session.hello_frames(self.name, TENSORS, self._id(), LIMITS, {self.name: 1})
@@ -583,8 +583,6 @@ class _Hostile:
             self.sizes = [f.padded_size for f in layout_from_description(self.welcome.layout).fragments]
             self.versions = [max(v, 0) for v in m.versions]
             self.step = max(self.step, m.global_step)
-        elif isinstance(m, msg.Request):
-            self.requests.append(session.RequestInfo(m.fragment, m.round, m.base_version))
         elif isinstance(m, msg.Update):
             info = session.client_view(m)
             self.updates_checked += 1
@@ -613,8 +611,8 @@ def _fuzzed(rng: np.random.Generator, peer: _Hostile) -> tuple[str, list[bytes]]
 
 
 def _valid(rng: np.random.Generator, peer: _Hostile) -> tuple[msg.Kind, dict, bytes]:
-    """(kind, meta as a dict, payload) of a message that is valid, or nearly (a push for a request the
-    peer really had, with the counters and versions it really holds)."""
+    """(kind, meta as a dict, payload) of a message that is valid, or nearly (a push from the version
+    the peer really holds, with the counters it really has)."""
     choice = int(rng.integers(12))
     clock = {peer.name: int(rng.integers(1, 1000))}
     fragment = int(rng.integers(len(peer.sizes)))
@@ -661,17 +659,16 @@ def _valid(rng: np.random.Generator, peer: _Hostile) -> tuple[msg.Kind, dict, by
 
 
 def _push(rng: np.random.Generator, peer: _Hostile, fragment: int, clock: dict) -> msg.Push:
-    """A push answering a request the peer had (else a guess at one), in a random codec."""
-    request = peer.requests.popleft() if peer.requests else session.RequestInfo(fragment, 1, peer.versions[fragment])
-    fragment = request.fragment % len(peer.sizes)
+    """A push of `fragment` from the version the peer holds, in a random codec."""
+    fragment = fragment % len(peer.sizes)
     name = ("int4", "fp32", "bf16", "int2", "int1")[int(rng.integers(5))]
     vec = rng.standard_normal(peer.sizes[fragment]).astype(np.float32) * 0.01
     encoded = codecs.encode(vec, name)
     parsed = codecs.parse(encoded)
     return msg.Push(
         fragment=fragment,
-        round=request.round,
-        base_version=request.base_version,
+        step=peer.step,
+        base_version=peer.versions[fragment],
         steps=1,
         tokens=64,
         codec=name,
@@ -683,9 +680,7 @@ def _push(rng: np.random.Generator, peer: _Hostile, fragment: int, clock: dict) 
 
 
 def _syncer_kind(rng: np.random.Generator, peer: _Hostile, fragment: int, clock: dict) -> msg.Message:
-    pick = int(rng.integers(4))
-    if pick == 0:
-        return msg.Request(fragment=fragment, round=1, base_version=0)
+    pick = int(rng.integers(1, 4))
     if pick == 1:
         return msg.Marker(snapshot=1, clock=clock)
     if pick == 2:
@@ -937,10 +932,10 @@ def _oversized(rng, peer, kind, meta, payload):
 def _counters(rng, peer, kind, meta, payload):
     """A push or a progress whose counters are valid JSON integers at and past every limit."""
     big = (0, 2**52, 2**53 - 1, 2**53, 2**62, 2**62 + 1, 2**63 - 1, 2**63)
-    if peer.requests or rng.random() < 0.5:
+    if rng.random() < 0.5:
         push = _push(rng, peer, int(rng.integers(len(peer.sizes))), {})
         kind, meta, payload = push.KIND, orjson.loads(msg.message_meta(push)), bytes(push.payload)
-        key = _pick(rng, ("tokens", "steps", "round", "base_version", "fragment", "element_count", "block"))
+        key = _pick(rng, ("tokens", "steps", "step", "base_version", "fragment", "element_count", "block"))
         meta[key] = _pick(rng, big)
     else:
         n = len(peer.versions)

@@ -8,7 +8,7 @@ Public surface:
 - `Kind`: the message kinds and their numbers on the wire.
 - `ErrorCode`: the numeric codes an `Error` message (and a `WireError`) carries.
 - `CodecName`: the codec of a bulk payload (`fp32`, `bf16`, `int4`, `int2`, `int1`).
-- `Hello`, `Welcome`, `Progress`, `Request`, `Push`, `Init`, `Update`, `Error`, `Bye` and their
+- `Hello`, `Welcome`, `Progress`, `Push`, `Init`, `Update`, `Error`, `Bye` and their
   union `Message`; `BULK_KINDS`, `LEARNER_KINDS`, `SYNCER_KINDS`.
 - `message_meta(message) -> bytes`: the message's fields as canonical JSON (keys sorted).
 - `message_from_meta(kind, meta, payload) -> Message`: the inverse; raises `ValueError` naming the
@@ -56,7 +56,8 @@ class Kind(enum.IntEnum):
     HELLO = 1
     WELCOME = 2
     PROGRESS = 3
-    REQUEST = 4
+    # 4 was Request (protocol 1: the syncer asked for a push); retired in protocol 2, where learners
+    # push on their own schedule: a frame of kind 4 is an unknown kind. The number is not reused.
     PUSH = 5
     INIT = 6
     UPDATE = 7
@@ -201,23 +202,15 @@ class Progress(_Body):
 
 
 @dataclass(frozen=True)
-class Request(_Body):
-    """Syncer -> learner: send your outer gradient of `fragment` for `round`, computed from
-    `base_version`."""
-
-    KIND: ClassVar[Kind] = Kind.REQUEST
-    fragment: int
-    round: int
-    base_version: int
-
-
-@dataclass(frozen=True)
 class Push(_Body):
-    """Learner -> syncer, bulk: the compressed outer gradient of one fragment."""
+    """Learner -> syncer, bulk: the compressed outer gradient of one fragment, base_version - theta,
+    computed at the learner's `step` (one with step mod sync_every_steps == fragment_offsets[fragment]);
+    `steps` and `tokens` count its training since it received `base_version`. The syncer decides
+    which round the push joins (protocol 2)."""
 
     KIND: ClassVar[Kind] = Kind.PUSH
     fragment: int
-    round: int
+    step: int
     base_version: int
     steps: int
     tokens: int
@@ -312,14 +305,14 @@ class LocalState(_Body):
         )
 
 
-Message = Hello | Welcome | Progress | Request | Push | Init | Update | Error | Bye | Marker | LocalState
+Message = Hello | Welcome | Progress | Push | Init | Update | Error | Bye | Marker | LocalState
 
 CLASS_OF_KIND: dict[Kind, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, Welcome, Progress, Request, Push, Init, Update, Error, Bye, Marker, LocalState)
+    cls.KIND: cls for cls in (Hello, Welcome, Progress, Push, Init, Update, Error, Bye, Marker, LocalState)
 }
 BULK_KINDS = frozenset({Kind.PUSH, Kind.INIT, Kind.UPDATE, Kind.LOCAL_STATE})
 LEARNER_KINDS = frozenset({Kind.HELLO, Kind.PROGRESS, Kind.PUSH, Kind.INIT, Kind.ERROR, Kind.BYE, Kind.LOCAL_STATE})
-SYNCER_KINDS = frozenset({Kind.WELCOME, Kind.REQUEST, Kind.UPDATE, Kind.ERROR, Kind.BYE, Kind.MARKER})
+SYNCER_KINDS = frozenset({Kind.WELCOME, Kind.UPDATE, Kind.ERROR, Kind.BYE, Kind.MARKER})
 
 
 def message_meta(message: Message) -> bytes:

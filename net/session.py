@@ -88,13 +88,6 @@ class PeerInfo:
 
 
 @dataclass(frozen=True)
-class RequestInfo:
-    fragment: int
-    round: int
-    base_version: int
-
-
-@dataclass(frozen=True)
 class UpdateInfo:
     fragment: int
     version: int
@@ -232,7 +225,7 @@ def push_message(push: ev.Push, clock: dict[str, int]) -> msg.Push:
     enc = push.payload
     return msg.Push(
         fragment=push.fragment,
-        round=push.round,
+        step=push.step,
         base_version=push.base_version,
         steps=push.steps,
         tokens=push.tokens,
@@ -248,7 +241,7 @@ def push_event(m: msg.Push, learner: int, layout: Layout | None) -> ev.Push:
     """The push again on the syncer, its payload a view over the received bytes; SessionError when the
     fragment does not exist or the payload does not fit it."""
     encoded = _encoded(m.codec.value, m.block, m.element_count, m.payload, _fragment_size(layout, m.fragment))
-    return ev.Push(learner, m.fragment, m.round, m.base_version, m.steps, m.tokens, encoded)
+    return ev.Push(learner, m.fragment, m.step, m.base_version, m.steps, m.tokens, encoded)
 
 
 def client_view(m: msg.Message) -> object:
@@ -266,8 +259,6 @@ def client_view(m: msg.Message) -> object:
             m.sync_every_steps,
             m.fragment_offsets,
         )
-    if isinstance(m, msg.Request):
-        return RequestInfo(m.fragment, m.round, m.base_version)
     if isinstance(m, msg.Update):
         return UpdateInfo(m.fragment, m.version, _encoded(m.codec.value, 0, m.element_count, m.payload))
     if isinstance(m, msg.Error):
@@ -326,8 +317,6 @@ def frames_for(
             layout_json=orjson.dumps(effect.layout).decode(),
             peers_json=orjson.dumps([[i, u, list(v)] for i, u, v in effect.peers]).decode() if effect.peers else "",
         )
-    elif isinstance(effect, ev.SendRequest):
-        m = msg.Request(fragment=effect.fragment, round=effect.round, base_version=effect.base_version)
     elif isinstance(effect, ev.SendError):
         m = msg.Error(code=_WIRE_CODE[effect.code], text=effect.text, fatal=effect.fatal)
     else:

@@ -38,7 +38,6 @@ from ddiloco.core.events import (
     MergeCost,
     Merged,
     SendError,
-    SendRequest,
     SendUpdate,
     SendWelcome,
     TimerFired,
@@ -47,7 +46,7 @@ from ddiloco.core.events import (
 
 __all__ = ["Control", "Link", "Shell", "no_cost"]
 
-Control = SendWelcome | SendRequest | SendError  # the effects that go out as one control message
+Control = SendWelcome | SendError  # the effects that go out as one control message
 Observer = Callable[[Event, list[Effect], core.SyncerState, float], None]
 Preparer = Callable[[Event, float], None]
 NESTED_EVENTS_MAX = 1024  # events queued by a link while one is carried out; more is a loop (a bug)
@@ -199,7 +198,7 @@ class Shell:
                 self.learner_of[effect.conn] = effect.learner
                 self.conn_of[effect.learner] = effect.conn
                 self.link.send(effect.conn, effect)
-        elif isinstance(effect, (SendRequest, SendError)):
+        elif isinstance(effect, SendError):
             conn = self._conn(effect.learner, getattr(effect, "conn", None))
             if conn is not None:
                 self.link.send(conn, effect)

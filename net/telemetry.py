@@ -149,6 +149,7 @@ class SyncerView:
     ledger: Mapping
     rejections: Mapping
     holds_parameters: bool
+    late_pushes: Mapping  # core.syncer: carried (merged, discounted) / rejected (too stale)
 
     @property
     def connected(self) -> tuple[LearnerView, ...]:
@@ -194,6 +195,7 @@ def view_of(state: SyncerState) -> SyncerView:
         ledger=MappingProxyType(state.ledger.summary()),
         rejections=MappingProxyType(dict(state.rejections)),
         holds_parameters=state.holds_parameters,
+        late_pushes=MappingProxyType(dict(state.late_pushes)),
     )
 
 
@@ -288,11 +290,22 @@ def _syncer_families(r: Reading) -> Iterator[Metric]:
         "tokens_reported_total", "Tokens learners reported training (core.ledger).", v.ledger.get("reported", 0)
     )
     tokens = CounterMetricFamily(
-        "ddiloco_tokens_total", "Reported tokens by fate (merged, late, stale, rejected, lost).", labels=["fate"]
+        "ddiloco_tokens_total",
+        "Reported tokens by fate (merged, merged_late, late, stale, rejected, lost).",
+        labels=["fate"],
     )
     for fate in FATES:
         tokens.add_metric([fate], v.ledger.get(fate, 0))
     yield tokens
+    yield _by(
+        v.late_pushes,
+        CounterMetricFamily(
+            "ddiloco_late_pushes_total",
+            "Pushes merged against an older version than their base (carried, weight / (1 + staleness)) or "
+            "refused as too stale (rejected).",
+            labels=["outcome"],
+        ),
+    )
     yield _gauge(
         "tokens_open", "Reported tokens whose fate is not decided yet (open windows).", v.ledger.get("open", 0)
     )
@@ -425,16 +438,16 @@ def warnings_of(r: Reading) -> list[str]:
         ago = r.now - x.last_seen
         if ago <= GONE_WARNED_S:
             out.append(f"learner {x.id} ({x.name}) gone, last seen {ago:.0f} s ago")
-    late = r.view.ledger.get("late", 0)
+    late = r.view.ledger.get("merged_late", 0)
     if late:
         out.append(
-            f"{late} tokens arrived late (after their round closed): {_share(late, r.view.ledger)} of those pushed"
+            f"{late} tokens merged late (against an older version, discounted): "
+            f"{_share(late, r.view.ledger)} of those pushed"
         )
     for x in r.view.connected:
-        if x.pushed.get("late", 0):
-            out.append(
-                f"learner {x.id} ({x.name}): {x.pushed['late']} tokens late, {_share(x.pushed['late'], x.pushed)}"
-            )
+        if x.pushed.get("merged_late", 0):
+            n = x.pushed["merged_late"]
+            out.append(f"learner {x.id} ({x.name}): {n} tokens merged late, {_share(n, x.pushed)}")
         if x.status is LearnerStatus.LIVE and x.versions_behind >= BEHIND_WARNED_VERSIONS:
             out.append(f"learner {x.id} ({x.name}) is {x.versions_behind} versions behind")
     return out[:WARNINGS_MAX]

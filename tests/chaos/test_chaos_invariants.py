@@ -52,13 +52,13 @@ class History:
             learner=learner, step=step, versions=(self.state.fragments[0].version,), steps=(step,), tokens=(100 * step,)
         )
 
-    def push(self, learner, round_, tokens=100, steps=1):
+    def push(self, learner, step, tokens=100, steps=1):
         size = self.state.layout.fragments[0].padded_size
         vec = np.full(size, 0.01, dtype=np.float32)
         return Push(
             learner=learner,
             fragment=0,
-            round=round_,
+            step=step,
             base_version=self.state.fragments[0].version,
             steps=steps,
             tokens=tokens,

@@ -46,7 +46,7 @@ async def test_status_prints_a_readable_summary_and_the_raw_json(tmp_path):
     assert any(line.startswith("fragments: 2") for line in lines)
     assert sum(1 for line in lines if "fragment " in line and ": merged " in line) >= 1
     fates = [line.split()[0] for line in lines if re.fullmatch(r"  \w+ +\d+ +(\d+\.\d%|-)", line)]
-    assert fates == ["merged", "late", "stale", "rejected", "lost", "open"], out
+    assert fates == ["merged", "merged_late", "late", "stale", "rejected", "lost", "open"], out
 
     code, out, err = await ddiloco("status", s.http, "--json")
     assert code == 0, err

@@ -27,7 +27,6 @@ from ddiloco.core.events import (
     Merged,
     Progress,
     Push,
-    SendRequest,
     SendUpdate,
     SendWelcome,
     TimerFired,
@@ -68,7 +67,7 @@ class ScriptedRun:
         self.writer = recording.TapeWriter.create(directory, self.state, "scripted", options)
         self.now, self.clock = 0.0, VClock()
         self.learners: dict[int, ScriptedLearner] = {}
-        self.requests, self.timers = [], []
+        self.due, self.timers = [], []  # (learner, fragment) pushes due; timers armed
         self.merges = 0
 
     def send(self, event, dt=0.001, sender=None):
@@ -99,8 +98,6 @@ class ScriptedRun:
                     lr.versions[e.fragment] = self.state.fragments[e.fragment].version
                     lr.received_at[e.fragment] = lr.step
                     lr.clock = lr.clock.merge(self.clock)
-            elif isinstance(e, SendRequest):
-                self.requests.append(e)
             elif isinstance(e, ArmTimer):
                 self.timers.append(e)
         if any(isinstance(e, Merged) for e in effects):
@@ -116,18 +113,20 @@ class ScriptedRun:
         lr.step += 1
         steps = tuple(lr.step - r for r in lr.received_at)
         self.send(Progress(lr.id, lr.step, tuple(lr.versions), steps, tuple(s * tokens for s in steps)), sender=lr)
+        if min(lr.versions) >= 0:  # the welcome's schedule: fragment p at steps t mod H == t_p (protocol 2)
+            self.due += [(lr, p) for p in self.state.schedule.due(lr.step)]
 
     def answer(self, gone=()):
-        pending, self.requests = self.requests, []
-        for r in pending:
-            lr = self.learners[r.learner]
-            if r.learner in gone:
+        """The learners push the fragments due at their last step."""
+        pending, self.due = self.due, []
+        for lr, p in pending:
+            if lr.id in gone:
                 continue
-            size = self.state.layout.fragments[r.fragment].padded_size
+            size = self.state.layout.fragments[p].padded_size
             vec = (lr.rng.standard_normal(size) * 0.01).astype(np.float32)
-            steps = lr.step - lr.received_at[r.fragment]
+            steps = lr.step - lr.received_at[p]
             payload = codec.parse(codec.encode(vec, "int4"))
-            self.send(Push(r.learner, r.fragment, r.round, r.base_version, steps, steps * 64, payload), sender=lr)
+            self.send(Push(lr.id, p, lr.step, lr.versions[p], steps, steps * 64, payload), sender=lr)
 
     def fire_timers(self):
         due = [t for t in self.timers if t.at <= self.now]

@@ -17,7 +17,6 @@ from ddiloco.core.events import (
     Progress,
     Push,
     SendError,
-    SendRequest,
     SendUpdate,
     SendWelcome,
     TimerFired,
@@ -25,7 +24,7 @@ from ddiloco.core.events import (
 )
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.layout import TensorSpec
-from ddiloco.core.syncer import STEP_JUMP_MAX, LearnerStatus
+from ddiloco.core.syncer import STALENESS_MAX, STEP_JUMP_MAX, LearnerStatus
 from ddiloco.core.weights import TOKENS_MAX
 
 TENSORS = (
@@ -70,12 +69,12 @@ class Harness:
         steps = tuple(step - self.steps.get((learner, p), 0) for p in range(len(versions)))
         return self.send(Progress(learner, step, versions, steps, tuple(s * tokens_per_step for s in steps)), dt)
 
-    def push(self, learner, fragment, round_, dt=0.0, base=None, tokens=100, steps=1, vec=None, name="int4"):
+    def push(self, learner, fragment, step, dt=0.0, base=None, tokens=100, steps=1, vec=None, name="int4"):
         spec = self.state.layout.fragments[fragment]
         if vec is None:
             vec = np.random.default_rng(learner).standard_normal(spec.padded_size).astype(np.float32) * 0.01
         base = self.state.fragments[fragment].version if base is None else base
-        return self.send(Push(learner, fragment, round_, base, steps, tokens, codec.parse(codec.encode(vec, name))), dt)
+        return self.send(Push(learner, fragment, step, base, steps, tokens, codec.parse(codec.encode(vec, name))), dt)
 
     def of(self, kind, effects=None):
         return [e for e in (self.effects if effects is None else effects) if isinstance(e, kind)]
@@ -106,9 +105,10 @@ def test_quorum_one_without_timing_merges_at_once_with_reason():
     h = Harness(quorum=1)
     two_live(h)
     opened = h.progress(1, 1)
-    requests = h.of(SendRequest, opened)
-    assert {(r.learner, r.fragment) for r in requests} == {(1, 1), (2, 1)}  # step 1 opens fragment 1 (t_1 = 1)
-    effects = h.push(1, 1, requests[0].round, dt=0.01)
+    rnd = h.state.fragments[1].open  # step 1 opens fragment 1 (t_1 = 1), asking nobody (protocol 2)
+    assert rnd is not None and rnd.asked == (1, 2) and h.state.fragments[0].open is None
+    assert not h.of(SendError, opened)
+    effects = h.push(1, 1, 1, dt=0.01)
     (merged,) = h.of(Merged, effects)
     assert merged.fragment == 1 and merged.version == 1 and merged.learners == (1,)
     decision = h.state.decisions[-1]
@@ -117,18 +117,27 @@ def test_quorum_one_without_timing_merges_at_once_with_reason():
     assert "missing learner 2" in decision.reason
     (update,) = h.of(SendUpdate, effects)
     assert update.learners == (1, 2) and update.version == 1
-    # learner 2's push for that closed round is late, and its tokens are booked as late
-    late = h.push(2, 1, requests[0].round, base=0)
-    (err,) = h.of(SendError, late)
-    assert err.code == "late"
-    assert h.state.ledger.totals["late"] == 100
+    # learner 2's push arrives after the round closed: kept for the next round of the fragment
+    late = h.push(2, 1, 1, base=0)
+    assert not h.of(SendError, late) and not h.of(Merged, late)
+    assert 2 in h.state.fragments[1].kept
+    h.progress(1, 2)
+    assert not h.of(Merged, h.progress(1, 3))  # the next round of fragment 1 opens with it, waits for learner 1
+    (merged,) = h.of(Merged, h.push(1, 1, 3, base=1))
+    assert merged.learners == (1, 2) and merged.version == 2
+    assert h.state.ledger.totals["merged_late"] == 100 and h.state.late_pushes == {"carried": 1, "rejected": 0}
+    assert "1 late, discounted" in h.state.decisions[-1].reason
+    h.state.ledger.check()
 
 
 def open_round(h, step, step_s=0.1):
-    eff = h.progress(1, step, dt=step_s) + h.progress(2, step)
-    reqs = h.of(SendRequest, eff)
-    assert reqs, "no round opened"
-    return reqs[0].fragment, reqs[0].round
+    """Both learners report `step`; (fragment, round number) of the round it opened."""
+    opened = [f.rounds_opened for f in h.state.fragments]
+    h.progress(1, step, dt=step_s)
+    h.progress(2, step)
+    (p,) = [p for p, f in enumerate(h.state.fragments) if f.rounds_opened > opened[p]]
+    assert h.state.fragments[p].open is not None, "no round opened"
+    return p, h.state.fragments[p].open.number
 
 
 def measure_timing(h, steps=3):
@@ -212,19 +221,62 @@ def test_the_round_keeps_the_push_it_was_handed_and_merges_from_its_payload():
     assert not np.array_equal(h.state.fragments[fragment].theta, theta)  # merged from the kept payload
 
 
-def test_stale_push_rejected_and_current_version_resent():
+def merge_alone(h, learner, versions):
+    """Learner `learner` alone merges fragment 1 `versions` times (quorum 1); the other reports its
+    steps but still holds version 0 of fragment 1."""
+    step = h.state.learners[learner].step
+    while h.state.fragments[1].version < versions:
+        step += 1
+        h.progress(learner, step)
+        if h.state.fragments[1].open is not None:
+            h.push(learner, 1, step)
+    return step
+
+
+def test_late_push_carried_with_a_harmonic_discount_and_booked_merged_late():
     h = Harness(quorum=1)
     two_live(h)
-    fragment, rnd = open_round(h, 1)
-    h.push(1, fragment, rnd)  # merged: version 1
-    open_round(h, 2)
-    fragment2, rnd2 = open_round(h, 3)  # fragment 1 again (period 2, offset 1)
-    assert fragment2 == fragment
-    eff = h.push(2, fragment, rnd2, base=0)
+    step = merge_alone(h, 1, 3)  # fragment 1 at version 3; learner 2 still holds version 0
+    h.progress(1, step + 1)  # fragment 0's round
+    h.send(Progress(2, step, (0, 0), (step, step), (100 * step, 100 * step)))
+    eff = h.push(2, 1, step, base=0, tokens=100 * step, steps=step)  # s = 3 when merged
+    assert not h.of(SendError, eff) and 2 in h.state.fragments[1].kept
+    on_time_w = 300.0**2 / 3
+    h.push(1, 1, step + 2, tokens=300, steps=3, base=3)  # kept too: no round of fragment 1 is open
+    (merged,) = h.of(Merged, h.progress(1, step + 2))  # the round opens with both, quorum 1: merged
+    late_w = (100.0 * step) ** 2 / step / (1 + 3)
+    assert merged.learners == (1, 2)
+    assert merged.weights == pytest.approx((on_time_w / (on_time_w + late_w), late_w / (on_time_w + late_w)))
+    ledger = h.state.ledger
+    assert ledger.of_learner(2)["merged_late"] == 100 * step and ledger.of_learner(1)["merged_late"] == 0
+    ledger.check()
+
+
+def test_push_more_than_staleness_max_behind_rejected_lost_and_current_version_resent():
+    h = Harness(quorum=1)
+    two_live(h)
+    step = merge_alone(h, 1, STALENESS_MAX + 1)
+    h.send(Progress(2, step, (0, 0), (step, step), (100 * step, 100 * step)))
+    lost = h.state.ledger.totals["lost"]
+    eff = h.push(2, 1, step, base=0, tokens=100 * step, steps=step)
     (err,) = h.of(SendError, eff)
-    assert err.code == "stale" and "base version 0, current 1" in err.text
+    assert err.code == "stale" and f"{STALENESS_MAX + 1} versions behind" in err.text
     (resend,) = h.of(SendUpdate, eff)
-    assert resend.learners == (2,) and resend.version == 1
+    assert resend.learners == (2,) and resend.version == STALENESS_MAX + 1
+    assert h.state.ledger.totals["lost"] == lost + 100 * step and h.state.late_pushes["rejected"] == 1
+    assert 2 not in h.state.fragments[1].kept
+    h.state.ledger.check()
+
+
+def test_late_pushes_summed_in_one_log_line_per_interval():
+    h = Harness(quorum=1)
+    two_live(h)
+    step = merge_alone(h, 1, STALENESS_MAX + 1)
+    lines = []
+    for i in range(3):  # three pushes too stale, 30 s apart: one line at the end of the interval
+        eff = h.push(2, 1, step, base=0, dt=30.0 if i else 0.0)
+        lines += [e.text for e in h.of(Log, eff) if e.text.startswith("late pushes")]
+    assert lines == ["late pushes: 0 carried, 3 rejected in the last 60 s"]
 
 
 @pytest.mark.parametrize(
@@ -257,13 +309,42 @@ def test_bad_pushes_rejected_state_untouched(change, code):
     assert h.state.rejections[code] == 1
 
 
-def test_duplicate_push_refused():
+def test_a_newer_push_replaces_the_older_one_of_the_same_learner():
     h = Harness(quorum=2)
     two_live(h)
     fragment, rnd = open_round(h, 1)
-    h.push(1, fragment, rnd)
-    (err,) = h.of(SendError, h.push(1, fragment, rnd))
-    assert err.code == "duplicate"
+    h.send(Progress(1, 3, (0, 0), (3, 3), (300, 300)))
+    h.push(1, fragment, 1, tokens=100, steps=1)
+    newer = h.push(1, fragment, 3, tokens=300, steps=3)  # the same base: it holds the older one's progress
+    assert not h.of(SendError, newer)
+    assert h.state.fragments[fragment].open.pushes[1].step == 3
+    (merged,) = h.of(Merged, h.push(2, fragment, 1))
+    assert merged.learners == (1, 2)
+    assert h.state.ledger.of_learner(1)["merged"] == 300  # carried over, counted once
+    h.state.ledger.check()
+
+
+def test_a_push_from_a_newer_base_books_the_replaced_one_lost():
+    h = Harness(quorum=2)
+    two_live(h)
+    fragment, _ = open_round(h, 1)
+    h.push(1, fragment, 1, tokens=100, steps=1)
+    h.push(2, fragment, 1)  # merged: version 1, learner 1's push merged
+    h.send(Progress(2, 2, (0, 0), (2, 2), (200, 200)))
+    h.push(2, fragment, 2, base=0, tokens=200, steps=2)  # late: kept for the next round
+    h.send(Progress(2, 3, (0, 1), (3, 1), (300, 100)))  # it took version 1: the window of version 0 closed
+    lost = h.state.ledger.totals["lost"]
+    h.push(2, fragment, 3, base=1, tokens=100, steps=1)  # replaces the kept one, from a newer base
+    assert h.state.fragments[fragment].kept[2].base_version == 1
+    assert h.state.ledger.totals["lost"] == lost + 100  # what it held beyond the 100 already merged
+    h.state.ledger.check()
+
+
+def test_a_push_from_a_newer_base_than_the_syncer_holds_is_refused():
+    h = Harness(quorum=1)
+    two_live(h)
+    (err,) = h.of(SendError, h.push(1, 0, 1, base=5))
+    assert err.code == "bad_counters" and "newer than 0" in err.text
 
 
 def test_disconnect_lets_round_close_and_books_lost_tokens():
@@ -399,8 +480,8 @@ def test_late_push_after_the_newer_version_was_reported_is_not_booked_twice():
     h.push(1, fragment, rnd)  # merged: version 1
     h.progress(2, 2)  # learner 2 holds version 1: a new window for the fragment
     reported = h.state.ledger.reported
-    (err,) = h.of(SendError, h.push(2, fragment, rnd, base=0, tokens=400, steps=4))
-    assert err.code == "late"
+    eff = h.push(2, fragment, rnd, base=0, tokens=400, steps=4)
+    assert not h.of(SendError, eff)  # late is not lost: kept for the next round, discounted then
     assert h.state.ledger.reported == reported
     h.state.ledger.check()
 
@@ -419,14 +500,16 @@ def test_push_of_a_learner_gone_before_its_round_closed_is_booked_with_the_merge
     ledger = h.state.ledger
     lost, merged_tokens = ledger.totals["lost"], ledger.totals["merged"]
     h.send(Disconnect(1, "killed"))  # learner 2 has not delivered: the round waits for its timer
-    assert (1, fragment) in ledger.windows  # kept open for the push that waits in the round
-    assert (1, 1 - fragment) not in ledger.windows and ledger.totals["lost"] == lost + 700
+    # its windows close: the 200 tokens trained after its push and the other fragment's 700 are lost;
+    # the push's 500 stay held for the round
+    assert (1, fragment) not in ledger.windows and (1, 1 - fragment) not in ledger.windows
+    assert ledger.totals["lost"] == lost + 700 + 200 and ledger.held[(1, fragment)] == 500
     reported = ledger.reported
     (merged,) = h.of(Merged, h.send(TimerFired(fragment, rnd), dt=timer.at - h.now))
     assert merged.learners == (1,)
-    # its push took part in the merge, so its tokens are merged; the 200 trained after it are lost
+    # its push took part in the merge, so its tokens are merged
     assert ledger.totals["merged"] == merged_tokens + 500 and ledger.totals["lost"] == lost + 700 + 200
-    assert (1, fragment) not in ledger.windows and ledger.reported == reported
+    assert (1, fragment) not in ledger.held and ledger.reported == reported
     ledger.check()
 
 

@@ -49,7 +49,9 @@ def test_quick_demo_survives_kills_of_a_learner_and_the_syncer_and_replays_in_fu
     assert report.merges > 0 and math.isfinite(report.eval_loss) and math.isfinite(report.baseline_eval_loss)
     assert 0 <= report.choice_accuracy <= 1 and 0 <= report.baseline_choice_accuracy <= 1
     ledger = report.ledger
-    assert ledger["reported"] == sum(ledger[k] for k in ("merged", "late", "stale", "rejected", "lost", "open"))
+    assert ledger["reported"] == sum(
+        ledger[k] for k in ("merged", "merged_late", "late", "stale", "rejected", "lost", "open")
+    )
     assert 0 < report.uptime <= 1 and 0 < report.goodput <= 1
     data = json.loads(json.dumps(report_json(report)))
     for key in (

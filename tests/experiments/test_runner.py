@@ -13,6 +13,7 @@ import pytest
 from ddiloco.cli import main
 from ddiloco.core import syncer
 from ddiloco.core.config import SyncerConfig
+from ddiloco.core.events import Push
 from ddiloco.core.grace import GraceConfig
 from ddiloco.experiments import catalog as experiments
 from ddiloco.experiments import runner as ex
@@ -45,27 +46,30 @@ def test_a_run_is_deterministic_by_seed():
     assert a.state_hash == b.state_hash and a.merge_log == b.merge_log and a.eval_loss == b.eval_loss
     other = ex.run(config(seed=4, learners=3, step_noise=0.2))
     assert other.state_hash != a.state_hash
-    assert a.ledger["reported"] == sum(a.ledger[k] for k in ("merged", "late", "stale", "rejected", "lost", "open"))
+    assert a.ledger["reported"] == sum(
+        a.ledger[k] for k in ("merged", "merged_late", "late", "stale", "rejected", "lost", "open")
+    )
 
 
 class _Recorded:
-    """Wraps a real client: remembers the (fragment, round) of every push it hands over."""
+    """Wraps a real client: remembers the (learner, fragment, step) of every push it hands over."""
 
     def __init__(self, client):
         self.client, self.pushed = client, set()
 
     def push(self, item):
-        self.pushed.add((item.fragment, item.round))
+        self.pushed.add((item.learner, item.fragment, item.step))
         self.client.push(item)
 
     def __getattr__(self, name):
         return getattr(self.client, name)
 
 
-def _settled(state, syncs, step) -> bool:
-    """Everything up to `step` has happened in the daemon: progress seen, the rounds due opened and
-    their requests delivered, every push merged and every merged version delivered. Read across
-    threads, so each check is one the core makes true last (a torn read means 'not yet')."""
+def _settled(state, syncs, step, seen) -> bool:
+    """Everything up to `step` has happened in the daemon: progress seen, the rounds due opened,
+    every push handed to the core (`seen`: its pushes, as the core took them) and every merged
+    version delivered. Read across threads, so each check is one the core makes true last (a torn
+    read means 'not yet')."""
     try:
         decided = {(d.fragment, d.round) for d in list(state.decisions)}
         if state.global_step != step:
@@ -80,17 +84,8 @@ def _settled(state, syncs, step) -> bool:
             if rec is None or rec.step != s.step_count:
                 return False
             box = s.client.client.client.inbox
-            updates, requests = dict(box.updates), {(r.fragment, r.round) for r in list(box.requests)}
-            for p, frag in enumerate(state.fragments):
-                rnd = frag.open
-                waiting = rnd is not None and s.learner_id in rnd.asked and s.learner_id not in rnd.pushes
-                if waiting and (p, rnd.number) not in requests:
-                    return False
-            if any(
-                pr not in decided
-                and not (state.fragments[pr[0]].open and s.learner_id in state.fragments[pr[0]].open.pushes)
-                for pr in s.client.pushed
-            ):
+            updates = dict(box.updates)
+            if not set(s.client.pushed) <= set(seen):
                 return False
             for p, frag in enumerate(state.fragments):
                 if max(s.versions[p], updates[p].version if p in updates else -1) != frag.version:
@@ -100,9 +95,9 @@ def _settled(state, syncs, step) -> bool:
         return False
 
 
-def _wait_settled(state, syncs, step, timeout_s=30.0):
+def _wait_settled(state, syncs, step, seen, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
-    while not _settled(state, syncs, step):
+    while not _settled(state, syncs, step, seen):
         assert time.monotonic() < deadline, "the daemon did not settle"
         time.sleep(0.002)
 
@@ -118,7 +113,16 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
     assert ours.merges >= 4
 
     daemon = threaded_syncer(cfg.syncer, token=TOKEN)
-    syncs = []
+    syncs, seen = [], set()
+    observed = daemon.server.shell.observe
+
+    def observe(event, effects, state, now):  # on the core's thread: the pushes as the core took them
+        if isinstance(event, Push):
+            seen.add((event.learner, event.fragment, event.step))
+        if observed is not None:
+            observed(event, effects, state, now)
+
+    daemon.server.shell.observe = observe
     try:
         tx, train_step, _ = ex.programs(TINY, cfg.schedule_steps())
         learners = []
@@ -132,13 +136,13 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
             sync.client = _Recorded(sync.client)
             syncs.append(sync)
             learners.append([params, tx.init(params), ex.learner_stream(TINY, cfg.batch, cfg.seed, i, m), sync])
-        _wait_settled(daemon.server.state, syncs, 0)
+        _wait_settled(daemon.server.state, syncs, 0, seen)
         for step in range(1, steps + 1):
             for lr in learners:
                 x, y = next(lr[2])
                 lr[0], lr[1], _ = train_step(lr[0], lr[1], x, y)
                 lr[0] = lr[3].step(lr[0], tokens=cfg.tokens_per_step)
-            _wait_settled(daemon.server.state, syncs, step)
+            _wait_settled(daemon.server.state, syncs, step, seen)
         state = daemon.server.state
         merged = [(d.fragment, d.version) for d in state.decisions if d.outcome == "merged"]
         assert merged == [(f, v) for f, v, _ in ours.merge_log]
@@ -278,10 +282,16 @@ def _failures_order(arms: dict, steps: int) -> None:
     # the synchronous job advances one step per second of wall time in which no slice is down
     for goodput, wall in zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, dp, "wall_s"), strict=True):
         assert goodput == pytest.approx(steps / wall)
-    assert _per_seed(arms, free, "goodput") == [1.0] * 3  # K = 1 without faults: nobody waits, nothing is lost
+    # K = 1 without faults: nobody waits. Since protocol 2 a push leaves the step after its copy started
+    # (the hook never waits for the device), so the step trained meanwhile, overwritten by the merged
+    # version, is lost: about one step per fragment period, nothing else.
+    assert all(0.75 < g < 1.0 for g in _per_seed(arms, free, "goodput"))
     # a synchronous job stalls while any slice is down; a decoupled one loses only the down learner's time
-    pairs = zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput"), strict=True)
-    assert all(dp_goodput <= decoupled_goodput for dp_goodput, decoupled_goodput in pairs)
+    # (besides the step in flight per push that it loses without faults too)
+    pairs = zip(
+        _per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput"), _per_seed(arms, free, "goodput"), strict=True
+    )
+    assert all(dp_goodput <= decoupled_goodput / free_goodput for dp_goodput, decoupled_goodput, free_goodput in pairs)
 
 
 def _merge_order(arms: dict, steps: int) -> None:

@@ -115,7 +115,7 @@ class FakeTransport:
 
 
 def test_the_held_transport_hands_the_hook_exactly_what_the_leader_peeked_at():
-    inner = FakeTransport(([], {}, [], (1, None)), [5])
+    inner = FakeTransport(({}, [], (1, None)), [5])
     held = HeldTransport(inner)
     with pytest.raises(AssertionError, match="before the leader peeked"):
         held.take()

@@ -6,6 +6,7 @@ import traceback
 import urllib.error
 import urllib.request
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,6 +98,51 @@ def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_
         a["sync"].close()
         c["sync"].close()
         state.ledger.check()
+    finally:
+        s.stop()
+
+
+def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threaded_syncer, monkeypatch):
+    """No per-step device sync: a step with no fragment due, no push in flight and no version
+    arriving only counts. Due steps start host copies that the next call collects and pushes."""
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)  # due at steps 0 and 4 mod 8
+    try:
+        a = {"params": model(1), "target": model(10)}
+        a["sync"] = sync = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
+        deadline = time.monotonic() + 120
+        while s.server.state.merges < 2 and time.monotonic() < deadline:
+            train([a], 4)
+        assert s.server.state.merges >= 2
+        waits = []
+
+        def counting(fn, name):
+            def counted(*args, **kwargs):
+                waits.append(name)
+                return fn(*args, **kwargs)
+
+            return counted
+
+        monkeypatch.setattr(jax, "block_until_ready", counting(jax.block_until_ready, "block_until_ready"))
+        monkeypatch.setattr(jax, "device_get", counting(jax.device_get, "device_get"))
+        monkeypatch.setattr(TreeFragments, "start_gather", counting(TreeFragments.start_gather, "start_gather"))
+        quiet, due = 0, 0
+        for _ in range(32):
+            was_due = sync.due_next
+            idle = not was_due and not sync.pushes_in_flight and not sync.updates_waiting
+            before, applied = len(waits), sync.merged_versions_applied
+            a["params"] = sync.step(inner_step(a["params"], a["target"]), tokens=128)
+            if idle and sync.merged_versions_applied == applied:
+                assert waits[before:] == [], f"an idle step waited on the device: {waits[before:]}"
+                quiet += 1
+            if was_due:  # copies started, not waited for: the next call pushes them
+                due += 1
+                assert sync.pushes_in_flight == was_due and "device_get" not in waits[before:]
+            time.sleep(0.005)
+        assert quiet >= 8 and due >= 4
+        assert waits.count("start_gather") >= 4 and "block_until_ready" not in waits
+        sync.close()
+        assert not sync.pushes_in_flight
+        s.server.state.ledger.check()
     finally:
         s.stop()
 

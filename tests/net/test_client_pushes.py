@@ -12,8 +12,8 @@ from ddiloco.net.client import ClientConfig, SyncerClient
 TENSORS = (TensorSpec("w", (256,), "float32", False),)
 
 
-def push(round_: int) -> Push:
-    return Push(1, 0, round_, 0, 1, 64, codec.parse(codec.encode(np.zeros(256, np.float32), "int4")))
+def push(step: int) -> Push:
+    return Push(1, 0, step, 0, 1, 64, codec.parse(codec.encode(np.zeros(256, np.float32), "int4")))
 
 
 def test_a_full_push_queue_refuses_and_counts(caplog):
@@ -22,4 +22,4 @@ def test_a_full_push_queue_refuses_and_counts(caplog):
         accepted = [client.queue_push(push(r)) for r in range(1, 5)]
     assert accepted == [True, True, False, False]
     assert client.pushes_dropped == 2
-    assert "push of fragment 0 round 3 dropped" in caplog.text
+    assert "push of fragment 0 at step 3 dropped" in caplog.text

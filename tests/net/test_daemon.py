@@ -14,6 +14,7 @@ from ddiloco.core import codec, syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
+from ddiloco.core.syncer import STALENESS_MAX
 from ddiloco.net import messages as msg
 from ddiloco.net import session, store, wire
 from ddiloco.net.client import ClientConfig, SyncerClient, SyncerRefused
@@ -64,7 +65,8 @@ class Syncer:
 
 
 class Learner:
-    """A minimal learner over the real client: answers requests with small random outer gradients."""
+    """A minimal learner over the real client: pushes small random outer gradients of the fragments
+    due at its step (the welcome's schedule; protocol 2: nobody asks)."""
 
     def __init__(self, url, name, tensors=TENSORS, token=TOKEN, seed=0, ca_file=None):
         self.client = SyncerClient(
@@ -105,22 +107,19 @@ class Learner:
         n = len(self.sizes)
         self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (tokens,) * n))
 
+    def due(self):
+        """The fragments due at this learner's step (none while it does not hold every fragment)."""
+        w = self.client.inbox.welcome
+        if min(self.versions) < 0:
+            return []
+        return [p for p, t in enumerate(w.offsets) if self.step % w.period == t]
+
     def answer(self):
-        box = self.client.inbox
-        while box.requests:
-            r = box.requests.popleft()
-            vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-            self.client.queue_push(
-                Push(
-                    self.client.inbox.welcome.learner,
-                    r.fragment,
-                    r.round,
-                    r.base_version,
-                    1,
-                    64,
-                    codec.parse(codec.encode(vec, "int4")),
-                )
-            )
+        for p in self.due():
+            vec = self.rng.standard_normal(self.sizes[p]).astype(np.float32) * 0.01
+            learner = self.client.inbox.welcome.learner
+            push = Push(learner, p, self.step, self.versions[p], 1, 64, codec.parse(codec.encode(vec, "int4")))
+            self.client.queue_push(push)
 
     async def stop(self):
         await self.client.close()
@@ -280,30 +279,22 @@ async def test_learner_dying_half_way_through_a_push(tmp_path):
     await s.server.stop()
 
 
-async def test_stale_push_rejected_with_reason_and_current_version_resent(tmp_path):
+async def test_push_too_stale_rejected_with_reason_and_current_version_resent(tmp_path):
     s = Syncer(tmp_path)
     await s.start()
     a, b = await two_learners(s)
-    await train(s.server, [a, b], 6)
-    await until(lambda: s.server.state.merges >= 2, what="merges")
     state = s.server.state
-    frag = next(p for p, f in enumerate(state.fragments) if f.version >= 1)
-    a.tick()
-    a.tick()
-    a.tick()
-    # Wait until the syncer has taken all three reports: a round read before the last one may be
-    # superseded by it, and the push below would then be late rather than stale.
+    while max(f.version for f in state.fragments) <= STALENESS_MAX:  # bounded by `until` below
+        await train(s.server, [a, b], 2)
+        await until(lambda: state.merges >= 1, what="merges")
+    frag = next(p for p, f in enumerate(state.fragments) if f.version > STALENESS_MAX)
     me = a.client.inbox.welcome.learner
-    await until(
-        lambda: state.learners[me].step == a.step and state.fragments[frag].open is not None, what="an open round"
-    )
-    rnd = state.fragments[frag].open.number
     vec = np.zeros(a.sizes[frag], dtype=np.float32)
     a.client.inbox.updates.clear()
-    a.client.queue_push(Push(me, frag, rnd, 0, 1, 64, codec.parse(codec.encode(vec, "int4"))))
+    a.client.queue_push(Push(me, frag, a.step, 0, 1, 64, codec.parse(codec.encode(vec, "int4"))))
     await until(lambda: any(e.code == "stale" for e in a.client.inbox.errors), what="stale error")
     err = next(e for e in a.client.inbox.errors if e.code == "stale")
-    assert "base version 0" in err.text
+    assert "base version 0 is" in err.text and "versions behind" in err.text
     await until(lambda: frag in a.client.inbox.updates, what="resent version")
     await a.stop()
     await b.stop()
@@ -403,15 +394,12 @@ async def test_threaded_client_for_synchronous_training_loops(tmp_path):
         await until(lambda: s.server.state.holds_parameters, what="init through the thread")
         tc.progress(session.ProgressInfo(1, (0, 0), (1, 1), (10, 10)))
         await until(lambda: s.server.state.global_step == 1, what="progress through the thread")
-        requests, errors = [], []
-        deadline = loop.time() + 10.0
-        while not requests and loop.time() < deadline:  # the request may still be on its way
-            got, _, errs, (welcomes, _) = await loop.run_in_executor(None, tc.take)
-            requests += got
-            errors += errs
-            await asyncio.sleep(0.01)
-        assert welcomes == 1
-        assert [r.fragment for r in requests] == [1] and not errors
+        assert s.server.state.fragments[1].open is not None  # step 1 opens fragment 1's round
+        vec = np.full(sizes[1], 0.01, dtype=np.float32)
+        tc.push(Push(1, 1, 1, 0, 1, 10, codec.parse(codec.encode(vec, "int4"))))
+        await until(lambda: s.server.state.fragments[1].version == 1, what="a push through the thread, merged")
+        _, errors, (welcomes, _) = await loop.run_in_executor(None, tc.take)
+        assert welcomes == 1 and not errors
     finally:
         await loop.run_in_executor(None, tc.close)
         await s.server.stop()
@@ -440,7 +428,7 @@ async def test_threaded_client_drops_what_was_made_before_the_caller_saw_a_new_w
         # Made in session 1, so dropped: were it sent, learner 2 would be at step 100 and the report
         # of step 6 below would be ignored as an older one.
         tc.progress(session.ProgressInfo(100, (0, 0), (100, 100), (1000, 1000)))
-        _, _, _, (welcomes, welcome) = await loop.run_in_executor(None, tc.take)
+        _, _, (welcomes, welcome) = await loop.run_in_executor(None, tc.take)
         assert welcomes == 2 and welcome.learner == 2
         tc.progress(session.ProgressInfo(6, (0, 0), (1, 1), (10, 10)))  # made in session 2: sent
         await until(lambda: s.server.state.learners[2].step == 6, what="the new session's progress")
@@ -514,7 +502,7 @@ def _welcome(layout_json: str) -> msg.Welcome:
 async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
     def reply(_hello):
         frame = bytearray(wire.encode(_welcome("[]"), message_id=1, limits=SMALL)[0])
-        frame[4] = 2  # the header's version byte: a later release of the protocol
+        frame[4] = 3  # the header's version byte: a later release of the protocol
         return [frame]
 
     async with FakeSyncer(reply) as fake:
@@ -531,7 +519,7 @@ async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
         )
         await asyncio.wait_for(client.run(), 10)  # returns: refused for good
     assert isinstance(client.refused, SyncerRefused)
-    assert "another protocol version" in str(client.refused) and "version 2" in str(client.refused)
+    assert "another protocol version" in str(client.refused) and "version 3" in str(client.refused)
     assert fake.connections == 1
 
 
@@ -567,9 +555,9 @@ async def test_close_sends_what_is_queued_then_says_goodbye(tmp_path, caplog):
     try:
         b.tick()  # b reports the versions it holds: live from here
         await until(lambda: state.learners[2].status.value == "live", what="b live")
-        a.tick()  # step 2 opens a round that asks both
-        await until(lambda: a.client.inbox.requests and b.client.inbox.requests, what="the requests")
-        fragment = a.client.inbox.requests[0].fragment
+        a.tick()  # step 2 opens a round that expects both
+        (fragment,) = a.due()
+        await until(lambda: state.fragments[fragment].open is not None, what="the round")
         assert state.fragments[fragment].open.asked == (1, 2)
         # a's push, then a progress report, then close: all in one go, nothing sent yet
         a.answer()
@@ -580,6 +568,7 @@ async def test_close_sends_what_is_queued_then_says_goodbye(tmp_path, caplog):
         assert state.learners[1].step == a.step  # the last report arrived
         assert 1 in state.fragments[fragment].open.pushes  # and so did the push: it waits for b
         assert "gone: bye: stopping" in caplog.text
+        b.step = a.step - 1  # b pushes the same fragment (it is one step behind a's last report)
         b.answer()  # b delivers: the round merges both, a's tokens with it
         await until(lambda: state.fragments[fragment].version == 1, what="the merge with a's push")
         assert state.decisions[-1].outcome == "merged" and state.ledger.totals["merged"] == 2 * 64

@@ -103,12 +103,11 @@ class Daemon:
             self.step += 1
             n = len(self.sizes)
             self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (64,) * n))
-            while box.requests:
-                r = box.requests.popleft()
-                vec = self.rng.standard_normal(self.sizes[r.fragment]).astype(np.float32) * 0.01
-                self.client.queue_push(
-                    Push(0, r.fragment, r.round, r.base_version, 1, 64, codec.parse(codec.encode(vec, "int4")))
-                )
+            welcome = box.welcome  # the fragments due at this step (protocol 2: nobody asks)
+            for p in (q for q, t in enumerate(welcome.offsets) if self.step % welcome.period == t):
+                vec = self.rng.standard_normal(self.sizes[p]).astype(np.float32) * 0.01
+                push = Push(0, p, self.step, self.versions[p], 1, 64, codec.parse(codec.encode(vec, "int4")))
+                self.client.queue_push(push)
             await asyncio.sleep(0.02)
         async with self.http.get(f"http://127.0.0.1:{self.server.port}/healthz") as answer:
             assert answer.status == 200
@@ -150,7 +149,7 @@ def _push(fragment: int, elements: int, **fields) -> tuple[dict, bytes]:
     encoded = codec.encode(np.zeros(elements, dtype=np.float32), "fp32")
     meta = {
         "fragment": fragment,
-        "round": 1,
+        "step": 1,
         "base_version": 0,
         "steps": 1,
         "tokens": 64,
@@ -223,7 +222,7 @@ async def test_a_progress_that_jumps_a_million_steps_is_refused_and_the_global_s
         await d.merges_go_on()
 
 
-@pytest.mark.parametrize("kind", [msg.Kind.UPDATE, msg.Kind.WELCOME, msg.Kind.REQUEST, msg.Kind.MARKER])
+@pytest.mark.parametrize("kind", [msg.Kind.UPDATE, msg.Kind.WELCOME, msg.Kind.MARKER])
 async def test_the_syncers_kinds_from_a_learner_are_refused_by_the_wire(kind):
     async with Daemon() as d:
         await d.hello()
@@ -254,16 +253,15 @@ async def test_a_push_with_a_negative_block_scale_is_refused_as_bad_shape(name):
             },
         )
         await until(lambda: d.server.state.learners[2].status is syncer.LearnerStatus.LIVE, "the hostile peer live")
-        merging = asyncio.create_task(d.merges_go_on())  # opens rounds, which ask the hostile peer too
-        request = await d.next(msg.Request)
-        await merging
-        raw = bytearray(codec.encode(np.full(d.sizes[request.fragment], 0.01, dtype=np.float32), name))
+        await d.merges_go_on()
+        fragment = 0
+        raw = bytearray(codec.encode(np.full(d.sizes[fragment], 0.01, dtype=np.float32), name))
         raw[codec.HEADER_BYTES : codec.HEADER_BYTES + 4] = np.float32(-1.0).tobytes()
-        parsed = codec.parse(codec.encode(np.zeros(d.sizes[request.fragment], dtype=np.float32), name))
+        parsed = codec.parse(codec.encode(np.zeros(d.sizes[fragment], dtype=np.float32), name))
         meta = {
-            "fragment": request.fragment,
-            "round": request.round,
-            "base_version": request.base_version,
+            "fragment": fragment,
+            "step": d.server.state.global_step,
+            "base_version": d.server.state.fragments[fragment].version,
             "steps": 1,
             "tokens": 64,
             "codec": name,

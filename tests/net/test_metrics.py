@@ -84,7 +84,7 @@ async def test_metrics_are_typed_named_and_agree_with_the_daemon(tmp_path):
 
     # The ledger: every reported token has one fate or is still open; per learner it adds up too.
     fates = {sm.labels["fate"]: sm.value for sm in fams["ddiloco_tokens"].samples}
-    assert set(fates) == {"merged", "late", "stale", "rejected", "lost"} and fates["merged"] > 0
+    assert set(fates) == {"merged", "merged_late", "late", "stale", "rejected", "lost"} and fates["merged"] > 0
     assert sum(fates.values()) + value(fams, "ddiloco_tokens_open") == value(fams, "ddiloco_tokens_reported")
     assert fams["ddiloco_tokens_open"].type == "gauge"
     for fate in ("merged", "late"):

@@ -167,7 +167,7 @@ async def test_page_shows_the_run_escapes_what_learners_send_and_marks_a_dead_sy
         assert all(re.fullmatch(r"\d+\.\d%", r[6]) for r in learners)  # merged share
         assert len(fragments) == 2 and all(int(f[1]) >= 1 for f in fragments)
         assert decisions and any(d[4].startswith("merged") for d in decisions)
-        assert [r[0] for r in ledger] == ["merged", "late", "stale", "rejected", "lost", "open"]
+        assert [r[0] for r in ledger] == ["merged", "merged_late", "late", "stale", "rejected", "lost", "open"]
         assert any(w.startswith("learner 2 (b) gone, last seen") for w in warnings), warnings
         assert screenshot.startswith(b"\x89PNG")
         if os.environ.get("DDILOCO_PAGE_SCREENSHOT"):

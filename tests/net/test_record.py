@@ -60,20 +60,11 @@ class Learner:
         self.step += 1
         n = len(self.sizes)
         self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (64,) * n))
-        while box.requests:
-            r = box.requests.popleft()
-            vec = (self.rng.standard_normal(self.sizes[r.fragment]) * 0.01).astype(np.float32)
-            self.client.queue_push(
-                Push(
-                    self.client.inbox.welcome.learner,
-                    r.fragment,
-                    r.round,
-                    r.base_version,
-                    1,
-                    64,
-                    codec.parse(codec.encode(vec, "int4")),
-                )
-            )
+        w = box.welcome  # the fragments due at this step (protocol 2: nobody asks)
+        for p in (q for q, t in enumerate(w.offsets) if self.step % w.period == t and min(self.versions) >= 0):
+            vec = (self.rng.standard_normal(self.sizes[p]) * 0.01).astype(np.float32)
+            push = Push(w.learner, p, self.step, self.versions[p], 1, 64, codec.parse(codec.encode(vec, "int4")))
+            self.client.queue_push(push)
 
     async def kill(self):
         """Gone without a bye: the task dies, the socket closes under the syncer."""
@@ -86,7 +77,7 @@ async def train_until(server, learners, merges):
         for lr in learners:
             lr.tick()
         await until(lambda: server.core.empty(), what="the core to drain")
-        await asyncio.sleep(0.01)  # let pushes answering this step's requests arrive
+        await asyncio.sleep(0.01)  # let this step's pushes arrive
 
 
 async def test_a_recorded_run_with_a_kill_replays_bit_identically(tmp_path, capsys):
@@ -195,7 +186,7 @@ async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, c
             while await syncer_merges(http, port) < 1:
                 assert loop.time() < deadline, f"the syncer merged nothing within {MERGE_WAIT_S} s of ticks"
                 a.tick()
-                await asyncio.sleep(0.02)  # a step's time: the pushes answering this tick's requests arrive
+                await asyncio.sleep(0.02)  # a step's time: this tick's pushes arrive
         await a.kill()
     finally:
         proc.send_signal(signal.SIGTERM)

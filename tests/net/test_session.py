@@ -34,7 +34,7 @@ def test_a_push_arrives_as_the_same_value_with_the_connections_learner(name):
     assert isinstance(message, msg.Push) and bytes(message.payload) == bytes(sent.payload.body)  # no codec header sent
     got = session.event_for(message, conn=5, learner=3, layout=LAYOUT)
     assert isinstance(got, ev.Push)
-    assert (got.learner, got.fragment, got.round, got.base_version, got.steps, got.tokens) == (3, 0, 3, 2, 4, 512)
+    assert (got.learner, got.fragment, got.step, got.base_version, got.steps, got.tokens) == (3, 0, 3, 2, 4, 512)
     assert (got.payload.codec, got.payload.block, got.payload.elements) == (
         sent.payload.codec,
         sent.payload.block,

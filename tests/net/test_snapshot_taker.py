@@ -35,7 +35,7 @@ def a_push(state, learner):
     return Push(
         learner=learner,
         fragment=0,
-        round=1,
+        step=1,
         base_version=0,
         steps=1,
         tokens=10,

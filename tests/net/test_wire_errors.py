@@ -18,9 +18,9 @@ from ddiloco.net.messages import (
     Hello,
     Init,
     Kind,
+    Marker,
     Progress,
     Push,
-    Request,
     Update,
     Welcome,
 )
@@ -49,7 +49,7 @@ def _sealed(
     offset: int = 0,
     payload_bytes: int = 0,
     meta_bytes: int | None = None,
-    version: int = 1,
+    version: int = 2,
 ) -> bytes:
     """A frame written from the layout in docs/protocol.md, with a correct checksum."""
     meta_bytes = len(data) - payload_bytes if meta_bytes is None else meta_bytes
@@ -106,10 +106,10 @@ def test_encode_refuses_messages_over_the_limits() -> None:
 @pytest.mark.parametrize(
     ("build", "named"),
     [
-        (lambda: Request(fragment=True, round=0, base_version=0), "Request.fragment"),
-        (lambda: Request(fragment=-1, round=0, base_version=0), "Request.fragment"),
-        (lambda: Request(fragment=0, round=1.0, base_version=0), "Request.round"),
-        (lambda: Request(fragment=0, round=0, base_version=2**63), "Request.base_version"),
+        (lambda: Marker(snapshot=True, clock={}), "Marker.snapshot"),
+        (lambda: Marker(snapshot=-1, clock={}), "Marker.snapshot"),
+        (lambda: Marker(snapshot=1.0, clock={}), "Marker.snapshot"),
+        (lambda: Marker(snapshot=2**63, clock={}), "Marker.snapshot"),
         (lambda: Bye(reason=None), "Bye.reason"),
         (lambda: Error(code=99, text="", fatal=True), "Error.code"),
         (lambda: Error(code=ErrorCode.STALE, text="", fatal=1), "Error.fatal"),
@@ -202,7 +202,7 @@ def test_encode_refuses_messages_over_the_limits() -> None:
         (
             lambda: Push(
                 fragment=0,
-                round=0,
+                step=0,
                 base_version=0,
                 steps=1,
                 tokens=1,
@@ -217,7 +217,7 @@ def test_encode_refuses_messages_over_the_limits() -> None:
         (
             lambda: Push(
                 fragment=0,
-                round=0,
+                step=0,
                 base_version=0,
                 steps=1,
                 tokens=1,
@@ -239,7 +239,7 @@ def test_encode_refuses_messages_over_the_limits() -> None:
         (
             lambda: Push(
                 fragment=0,
-                round=0,
+                step=0,
                 base_version=0,
                 steps=1,
                 tokens=INT_MAX + 1,
@@ -299,7 +299,7 @@ def test_messages_normalise_lists_enum_values_and_buffers() -> None:
     assert progress.fragment_steps == (1, 2)
     push = Push(
         fragment=0,
-        round=0,
+        step=0,
         base_version=0,
         steps=1,
         tokens=1,
@@ -318,12 +318,23 @@ def test_messages_normalise_lists_enum_values_and_buffers() -> None:
 
 
 def test_short_frame_bad_magic_and_unknown_version() -> None:
-    (frame,) = _frames(Request(fragment=1, round=2, base_version=3))
+    (frame,) = _frames(Marker(snapshot=1, clock={}))
     assert _error(Reassembler(LIMITS), frame[:47]).code == ErrorCode.BAD_FRAME
     assert _error(Reassembler(LIMITS), b"XXXX" + frame[4:]).code == ErrorCode.BAD_FRAME
-    error = _error(Reassembler(LIMITS), _sealed(Kind.BYE, b'{"reason":""}', version=2))
-    assert error.code == ErrorCode.PROTOCOL_VERSION
-    assert "2" in error.text and "[1]" in error.text
+    for version in (1, 3):  # protocol 1 (a learner that waits for requests) and a later release
+        error = _error(Reassembler(LIMITS), _sealed(Kind.BYE, b'{"reason":""}', version=version))
+        assert error.code == ErrorCode.PROTOCOL_VERSION
+        assert str(version) in error.text and "[2]" in error.text
+
+
+def test_a_kind_4_frame_is_an_unknown_kind_since_protocol_2() -> None:
+    """Kind 4 was Request (the syncer asking for a push) until protocol 1; learners now push on their own."""
+    reassembler = Reassembler(LIMITS)
+    error = _error(reassembler, _sealed(4, b'{"base_version":0,"fragment":0,"round":1}'))
+    assert error.code == ErrorCode.UNKNOWN_KIND and "kind 4" in error.text
+    assert 4 not in {k.value for k in Kind}
+    (good,) = _frames(Marker(snapshot=1, clock={}), message_id=1)
+    assert reassembler.feed(good) == Marker(snapshot=1, clock={})  # the session goes on
 
 
 def test_frame_over_frame_bytes_max_is_oversized() -> None:
@@ -342,24 +353,24 @@ def test_flipped_payload_byte_is_a_checksum_error() -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        b'{"fragment":0,"round":0}',  # missing field
-        b'{"fragment":0,"round":0,"base_version":0,"x":1}',  # unknown field
-        b'{"fragment":false,"round":0,"base_version":0}',  # bool for int
-        b'{"fragment":0.0,"round":0,"base_version":0}',  # float for int
-        b'{"fragment":18446744073709551615,"round":0,"base_version":0}',  # above 2**63
-        b'{"fragment":null,"round":0,"base_version":0}',
+        b'{"snapshot":0}',  # missing field
+        b'{"snapshot":0,"clock":{},"x":1}',  # unknown field
+        b'{"snapshot":false,"clock":{}}',  # bool for int
+        b'{"snapshot":0.0,"clock":{}}',  # float for int
+        b'{"snapshot":18446744073709551615,"clock":{}}',  # above 2**63
+        b'{"snapshot":null,"clock":{}}',
         b"[0,0,0]",
-        b'{"fragment":0,',  # not JSON
-        b'{"fragment":"\xff"}',  # not UTF-8
+        b'{"snapshot":0,',  # not JSON
+        b'{"snapshot":"\xff"}',  # not UTF-8
     ],
 )
 def test_body_not_matching_the_schema_is_a_confined_bad_message(body: bytes) -> None:
     reassembler = Reassembler(LIMITS)
-    error = _error(reassembler, _sealed(Kind.REQUEST, body))
+    error = _error(reassembler, _sealed(Kind.MARKER, body))
     assert error.code == ErrorCode.BAD_MESSAGE
     assert not error.fatal
-    (good,) = _frames(Request(fragment=1, round=2, base_version=3), message_id=1)
-    assert reassembler.feed(good) == Request(fragment=1, round=2, base_version=3)
+    (good,) = _frames(Marker(snapshot=1, clock={"a": 2}), message_id=1)
+    assert reassembler.feed(good) == Marker(snapshot=1, clock={"a": 2})
 
 
 def test_payload_on_a_control_kind_is_refused() -> None:
@@ -497,7 +508,7 @@ def test_confined_error_leaves_a_bulk_message_in_flight_intact() -> None:
     frames = _frames(_init(400), message_id=1)
     reassembler = Reassembler(LIMITS)
     reassembler.feed(frames[0])
-    assert not _error(reassembler, _sealed(Kind.REQUEST, b"{}", message_id=2)).fatal
+    assert not _error(reassembler, _sealed(Kind.MARKER, b"{}", message_id=2)).fatal
     results = [reassembler.feed(f) for f in frames[1:]]
     assert results[-1] == _init(400)
 
@@ -510,8 +521,8 @@ def test_kinds_not_accepted_are_refused_before_allocating() -> None:
     error = _error(reassembler, _frames(update)[0])
     assert error.code == ErrorCode.UNEXPECTED_KIND and error.fatal
     assert reassembler.bytes_in_flight == 0
-    request = Request(fragment=0, round=0, base_version=0)
-    lone = _error(Reassembler(LIMITS, accepted=LEARNER_KINDS), _frames(request)[0])
+    marker = Marker(snapshot=0, clock={})
+    lone = _error(Reassembler(LIMITS, accepted=LEARNER_KINDS), _frames(marker)[0])
     assert lone.code == ErrorCode.UNEXPECTED_KIND and not lone.fatal
 
 

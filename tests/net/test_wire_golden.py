@@ -23,7 +23,6 @@ from ddiloco.net.messages import (
     Init,
     Progress,
     Push,
-    Request,
     Update,
     Welcome,
 )
@@ -116,11 +115,10 @@ CASES = {
         6,
         WireLimits(frame_bytes_max=160, control_bytes_max=1024, message_bytes_max=4096),
     ),
-    "request": (Request(fragment=2, round=41, base_version=3), 9, WireLimits()),
     "push_int4": (
         Push(
             fragment=2,
-            round=41,
+            step=41,
             base_version=3,
             steps=24,
             tokens=98304,
@@ -136,7 +134,7 @@ CASES = {
     "push_fp32_chunked": (
         Push(
             fragment=0,
-            round=7,
+            step=7,
             base_version=1,
             steps=24,
             tokens=1000,
@@ -211,22 +209,21 @@ def _unpack_documented_header(frame: bytes) -> dict:
     }
 
 
-def test_request_header_and_body_match_the_document() -> None:
-    (frame,) = _read_golden("request")
+def test_push_header_and_body_match_the_document() -> None:
+    (frame,) = _read_golden("push_int4")
     header = _unpack_documented_header(frame)
     assert header["magic"] == b"DDLC"
-    assert header["version"] == 1
-    assert header["kind"] == 4  # request, per the kind table
+    assert header["version"] == 2
+    assert header["kind"] == 5  # push, per the kind table (4, the request of protocol 1, is retired)
     assert header["flags"] == 0
-    assert header["message_id"] == 9
+    assert header["message_id"] == 3
     assert (header["chunk_index"], header["chunk_count"], header["chunk_offset"]) == (0, 1, 0)
-    assert header["payload_bytes"] == 0
+    assert header["payload_bytes"] == 136
     assert header["meta_bytes"] % 8 == 0
-    assert len(frame) == 48 + header["meta_bytes"]
+    assert len(frame) == 48 + header["meta_bytes"] + 136
     assert header["crc32"] == zlib.crc32(frame[:44] + frame[48:])
-    meta = frame[48:]
-    assert meta.rstrip(b" ") == b'{"base_version":3,"fragment":2,"round":41}'
-    assert orjson.loads(meta) == {"fragment": 2, "round": 41, "base_version": 3}
+    meta = orjson.loads(frame[48 : 48 + header["meta_bytes"]])
+    assert meta["step"] == 41 and meta["base_version"] == 3 and "round" not in meta
 
 
 def test_chunked_push_headers_match_the_document() -> None:

@@ -24,7 +24,6 @@ from ddiloco.net.messages import (
     Message,
     Progress,
     Push,
-    Request,
     Update,
     Welcome,
     message_meta,
@@ -85,7 +84,7 @@ def pushes(draw: st.DrawFn) -> Push:
     size = count * codec.dense_bytes if codec.dense_bytes else draw(st.integers(0, 3000))
     return Push(
         fragment=draw(small_counts),
-        round=draw(counts),
+        step=draw(counts),
         base_version=draw(counts),
         steps=draw(counts),
         tokens=draw(counts),
@@ -136,7 +135,6 @@ controls = st.one_of(
     ),
     welcomes(),
     progresses(),
-    st.builds(Request, fragment=counts, round=counts, base_version=counts),
     st.builds(Error, code=st.sampled_from(ErrorCode), text=st.text(max_size=40), fatal=st.booleans()),
     st.builds(Bye, reason=st.text(max_size=40)),
 )
@@ -262,7 +260,7 @@ def _sealed(
     data: bytes,
     flags: int = 0,
 ) -> bytes:
-    head = DOC_HEADER.pack(b"DDLC", 1, kind, flags, message_id, index, count, offset, payload_bytes, meta_bytes, 0)[:44]
+    head = DOC_HEADER.pack(b"DDLC", 2, kind, flags, message_id, index, count, offset, payload_bytes, meta_bytes, 0)[:44]
     return head + struct.pack("<I", zlib.crc32(data, zlib.crc32(head))) + data
 
 
