@@ -91,8 +91,8 @@ def _learner_main(
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             box = client.inbox
-            for p, u in list(box.updates.items()):
-                versions[p] = u.version
+            for p, chain in list(box.updates.items()):
+                versions[p] = chain[-1].version if chain else versions[p]
             box.updates.clear()
             step += 1
             n = len(sizes)

@@ -2,7 +2,8 @@
 
 The learner loop of Decoupled DiLoCo (docs/algorithm.md, "Learner loop"). Each call, between two inner steps and without waiting on the
 network: counts the step and its tokens for every fragment; applies fragment versions that have
-arrived (overwrite, or an alpha mix) and resets their counters; answers the syncer's requests with
+arrived (a delta onto the syncer's published copy it holds, or a whole copy; then overwrite, or an
+alpha mix) and resets their counters; answers the syncer's requests with
 the compressed outer gradient base_p - theta_p; and reports progress. The network runs on the
 client's own thread; a syncer that is down only means no merges for a while.
 
@@ -32,6 +33,7 @@ import jax
 import numpy as np
 
 from ddiloco.core import codec
+from ddiloco.core import publish as publishing
 from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, layout_from_description
 from ddiloco.errors import UserError
@@ -102,14 +104,18 @@ class FragmentSync(NamedTuple):
     steps: int = 0  # inner steps since the version held arrived
     tokens: int = 0  # tokens trained on since then
     feedback: codec.FeedbackState | None = None  # error feedback's residual, when enabled
+    # The syncer's published copy of `version` (core.publish), bit for bit: what the next delta
+    # applies onto. None when the version held came from elsewhere (a peer, a snapshot) and no whole
+    # copy of it has arrived: deltas are then ignored until one does. Never changed in place.
+    published: np.ndarray | None = None
 
     def counted(self, tokens: int) -> FragmentSync:
         """One more inner step of `tokens` tokens."""
         return self._replace(steps=self.steps + 1, tokens=self.tokens + tokens)
 
-    def received(self, version: int, values: np.ndarray) -> FragmentSync:
+    def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
         """A version arrived and was applied: it is the new base, and the counters start again."""
-        return self._replace(version=version, base=values, steps=0, tokens=0)
+        return self._replace(version=version, base=values, steps=0, tokens=0, published=published)
 
 
 class DilocoSync:
@@ -135,6 +141,7 @@ class DilocoSync:
         # Codec kernels on the training thread only, unless asked otherwise (SyncConfig.serial_kernels).
         self.parallel_kernels = not config.serial_kernels
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
+        publishing.warm_up()  # the broadcast's deltas, applied as they arrive
         # `tape` records what the hook takes from the network; `recover_fn` and `snapshots` are how a
         # replay (demo.replay) stands in for the peers.
         self.tape = tape
@@ -272,7 +279,7 @@ class DilocoSync:
             if self.tape is not None:
                 self.tape.init(self.calls, q, payload)
             client.init(q, payload)
-            fragments[q] = FragmentSync().received(0, values)
+            fragments[q] = FragmentSync().received(0, values, values)  # the syncer publishes version 0 as sent
         self.fragments = tuple(fragments)
         log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
 
@@ -389,8 +396,8 @@ class DilocoSync:
         # answered (the syncer books it as late rather than the tokens being silently overwritten).
         for req in requests:
             self._answer(params, req)
-        for q, update in sorted(updates.items()):
-            params = self._apply(params, q, update)
+        for q, chain in sorted(updates.items()):
+            params = self._apply(params, q, chain)
         if all(f.version >= 0 for f in self.fragments):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live).
@@ -409,13 +416,33 @@ class DilocoSync:
             self.snapshots.publish(snapshot)
         return params
 
-    def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
-        if update.version <= self.fragments[q].version:
+    def _apply(self, params: Any, q: int, chain: list[session.UpdateInfo]) -> Any:
+        """The updates of fragment q that arrived, in order: each delta onto the published copy of
+        exactly its base version (else ignored: a whole copy follows, docs/protocol.md "Delta
+        broadcast"), a whole copy as it is. The newest version reached goes into the parameters once."""
+        frag = self.fragments[q]
+        version, published = frag.version, frag.published
+        for update in chain:
+            if update.whole:
+                if update.version < version or (update.version == version and published is not None):
+                    continue
+                published = _decode(update.encoded, self.parallel_kernels)
+                if update.version == version:
+                    # The version held came from a peer or a snapshot: its base stays (this learner's
+                    # outer gradient holds its own progress only); the published copy is the syncer's.
+                    frag = frag._replace(published=published)
+                    continue
+            else:
+                if published is None or update.base_version != version:
+                    continue
+                published = _apply_delta(published, update.encoded, self.parallel_kernels)
+            version = update.version
+        if version == frag.version:
+            self._set(q, frag)
             return params
         _, tree, _ = self._joined()
-        values = _decode(update.encoded, self.parallel_kernels)
-        params = tree.scatter(params, q, values, self.config.alpha)
-        self._set(q, self.fragments[q].received(update.version, values))
+        params = tree.scatter(params, q, published, self.config.alpha)
+        self._set(q, frag.received(version, published, published))
         self.merged_versions_applied += 1
         return params
 
@@ -494,6 +521,13 @@ def _encode_init(values: np.ndarray, parallel: bool) -> bytes:
 
 def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
     return encoded.decode(parallel=parallel)
+
+
+def _apply_delta(published: np.ndarray, delta: codec.Encoded, parallel: bool) -> np.ndarray:
+    """A new array: published + decode(delta), the bits the syncer's published copy has."""
+    out = published.copy()
+    publishing.apply(out, delta, parallel=parallel)
+    return out
 
 
 def _encode_delta(

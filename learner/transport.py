@@ -17,11 +17,11 @@ from ddiloco.net import session
 
 __all__ = ["SnapshotOutbox", "Taken", "Transport"]
 
-# What one `take` hands over: the syncer's requests, the newest arrived version of each fragment,
+# What one `take` hands over: the syncer's requests, the updates of each fragment in arrival order,
 # its errors, and (welcomes seen so far, the newest welcome): a count that changed means a new session.
 Taken: TypeAlias = tuple[
     list[session.RequestInfo],
-    dict[int, session.UpdateInfo],
+    dict[int, list[session.UpdateInfo]],
     list[session.ErrorInfo],
     tuple[int, session.WelcomeInfo | None],
 ]

@@ -48,8 +48,8 @@ from ddiloco.net.messages import (
 )
 
 MAGIC = b"DDLC"
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)  # versions this implementation decodes
+PROTOCOL_VERSION = 2  # 2: the delta broadcast (docs/protocol.md, "Version 2")
+SUPPORTED_VERSIONS = (2,)  # versions this implementation decodes
 # magic, version, kind, flags, message id, chunk index, chunk count, chunk offset,
 # payload bytes, meta bytes, crc32; little-endian, no padding
 HEADER = struct.Struct("<4sBBHQIIQQII")

@@ -93,7 +93,7 @@ def _settled(state, syncs, step) -> bool:
             ):
                 return False
             for p, frag in enumerate(state.fragments):
-                if max(s.versions[p], updates[p].version if p in updates else -1) != frag.version:
+                if max(s.versions[p], updates[p][-1].version if updates.get(p) else -1) != frag.version:
                     return False
         return True
     except (RuntimeError, KeyError, AttributeError):

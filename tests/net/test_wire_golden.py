@@ -159,6 +159,22 @@ CASES = {
         10,
         WireLimits(),
     ),
+    # protocol 2: the int4 delta of version 6 onto the published copy of version 5 (8 elements in
+    # blocks of 4: two float32 scales, then four bytes of codes)
+    "update_delta_int4": (
+        Update(
+            fragment=1,
+            version=6,
+            codec=CodecName.INT4,
+            element_count=8,
+            clock=CLOCK,
+            payload=np.array([0.5, 0.25], dtype="<f4").tobytes() + _codes(4),
+            base_version=5,
+            block=4,
+        ),
+        13,
+        WireLimits(),
+    ),
     "error": (Error(code=ErrorCode.STALE, text="fragment 2: base version 3, current 4", fatal=False), 11, WireLimits()),
     "bye": (Bye(reason="training finished"), 12, WireLimits()),
 }
@@ -215,7 +231,7 @@ def test_request_header_and_body_match_the_document() -> None:
     (frame,) = _read_golden("request")
     header = _unpack_documented_header(frame)
     assert header["magic"] == b"DDLC"
-    assert header["version"] == 1
+    assert header["version"] == 2
     assert header["kind"] == 4  # request, per the kind table
     assert header["flags"] == 0
     assert header["message_id"] == 9
