@@ -286,6 +286,11 @@ class InProcessTransport:
             self._client.refused = exc
             self.hang_up()
             return
+        if self._client._behind is not None:  # UPDATES_QUEUED_MAX untaken: rejoin for whole copies, as the client does
+            self._client._behind = None
+            self.hang_up()
+            self.hub.loop.at(self.hub.loop.now + self.hub.network.latency_s, self.connect)
+            return
         if isinstance(item, session.WelcomeInfo):
             self._welcomed = True
             self.flush()

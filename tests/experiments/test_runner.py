@@ -292,13 +292,15 @@ def _merge_order(arms: dict, steps: int) -> None:
 
 def _broadcast_order(arms: dict, steps: int) -> None:
     # an arm for each codec the syncer accepts, int4 deltas among them, and the codec reaches the
-    # learners: a lossy delta rounds what they train from, so the run differs from the fp32 one in every seed
+    # learners: a lossy delta rounds the copy they train from, so the run differs from the fp32 one.
+    # (Only from a fragment's second merge on: version 0 is published exactly, and a short run may
+    # merge a fragment just once in some seed, so not necessarily in every seed.)
     assert list(arms) == [f"broadcast {c}" for c in experiments.broadcast_codecs()]
     assert set(arms) == {"broadcast fp32", "broadcast bf16", "broadcast int4"}
     fp32 = _per_seed(arms, "broadcast fp32", "eval_loss")
     for lossy in ("bf16", "int4"):
         other = _per_seed(arms, f"broadcast {lossy}", "eval_loss")
-        assert all(a != b for a, b in zip(fp32, other, strict=True))
+        assert any(a != b for a, b in zip(fp32, other, strict=True)), (lossy, fp32, other)
 
 
 def _hetero_order(arms: dict, steps: int) -> None:
