@@ -7,8 +7,9 @@ merges once all have pushed). M learner processes (spawn) each hold the fragment
 vector. Each learner reports the step and, the fragment being due at every step, at once (protocol 2:
 nobody asks) encodes base - theta (`core.codec.encode_delta`, the push codec, on the calling thread as the hook's
 default `serial_kernels` does) and pushes it; the syncer merges the M pushes, takes the outer
-Nesterov step and broadcasts the new version (its broadcast codec); each learner decodes it and
-copies it over its parameters. Timed per sync: from the first learner starting its push to the last
+Nesterov step and broadcasts the new version (the delta onto the published copy, in its broadcast
+codec: docs/protocol.md "Delta broadcast"); each learner applies it onto the published copy it holds
+and copies that over its parameters. Timed per sync: from the first learner starting its push to the last
 learner holding the new version (`time.monotonic`, which on Linux is one clock for all processes of
 the machine). Between syncs every learner meets this process at a barrier, which is not timed: the
 syncer's counters are read there, and each learner moves its parameters away from the version it
@@ -19,7 +20,8 @@ each `step` call is one more global step. Waiting for a merged version by callin
 opens the next round (with H = 1) before the one being timed has closed; "one sync now, then wait
 for its result" cannot be said through it. So each learner does what the hook does inside `step`
 for a push and an update, through the same public pieces: `net.client.ThreadedClient` (the
-hook's default transport), `core.codec.encode_delta`, `Encoded.decode` and `core.events.Push`.
+hook's default transport), `core.codec.encode_delta`, `core.publish.apply` (`Encoded.decode` for a
+whole copy) and `core.events.Push`.
 What the hook adds around them is left out: gathering the fragment from a JAX pytree to the host
 and scattering it back onto the devices (here the parameters already are one host vector).
 
@@ -28,9 +30,9 @@ encode (first push started to last push handed to the client), wire in (to the s
 serialising, loopback, the syncer parsing the pushes), merge (the syncer's own time in the core
 step that merged: the merge kernels and the outer step, `merge_kernel_s` of its metrics), wire out
 (end of the merge to the last learner having the update: encoding the broadcast, loopback,
-reassembly) and apply (to the last learner holding it: decode and copy). Bytes are the websocket
-payload bytes the syncer received and sent during the sync (pushes and progress reports in; the
-broadcast out, M copies).
+reassembly) and apply (to the last learner holding it: the delta applied and copied). Bytes are the
+websocket payload bytes the syncer received and sent during the sync (pushes and progress reports
+in; the broadcast out, M copies), and their ratio, bytes out per byte in.
 
 The comparison, in the same run where torch is importable: M processes in a gloo process group on
 127.0.0.1, one thread each (`torch.set_num_threads(1)`), each holding the parameters and an
@@ -101,7 +103,7 @@ class SyncBenchConfig:
     params: int = 50_000_000
     learners: int = 4
     codec: str = "int4"  # what the learners push
-    broadcast_codec: str = "fp32"  # what the syncer sends back
+    broadcast_codec: str = "int4"  # the codec of the deltas the syncer sends back (core.publish)
     merge: str = "mean"  # mean: what an all-reduce computes; rda: the syncer's default
     repeat: int = 7  # timed syncs each way (the median is reported)
     warmup: int = 2  # syncs before the timed ones, each way
@@ -148,6 +150,30 @@ class _LearnerArgs:
     seed: int
 
 
+class _Held:
+    """The published copy a bench learner holds of the one fragment, kept as learner.sync keeps it:
+    a delta onto exactly the version held, a whole copy as it is."""
+
+    def __init__(self) -> None:
+        self.version, self.base, self.arrived = -1, None, 0.0
+
+    def follow(self, taken) -> None:
+        """Take the updates of one `take`; returns None (so it chains with `or` in `_wait_for`)."""
+        from ddiloco.core import publish
+
+        for u in taken[0].get(0, []):
+            if not u.whole and (self.base is None or u.base_version != self.version):
+                continue  # not onto the copy held: a whole copy follows
+            self.arrived = time.monotonic()  # the update is here; what follows is the apply part
+            if u.whole:
+                self.base = u.encoded.decode(parallel=False)
+            else:
+                base = self.base.copy()
+                publish.apply(base, u.encoded, parallel=False)
+                self.base = base
+            self.version = u.version
+
+
 def _wait_for(what: str, ready, client) -> Any:
     """Poll the client's inbox until `ready(taken)` returns something; the syncer's errors end it."""
     deadline = time.monotonic() + PHASE_S_MAX
@@ -176,13 +202,14 @@ def _learner_main(args: _LearnerArgs, barrier, out) -> None:
 
 
 def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
-    from ddiloco.core import codec
+    from ddiloco.core import codec, publish
     from ddiloco.core.events import Push
     from ddiloco.core.layout import layout_from_description
     from ddiloco.net import session
     from ddiloco.net.client import ClientConfig, ThreadedClient
 
     codec.warm_up([args.codec])  # before joining: a kernel compiled later would hold the GIL for seconds
+    publish.warm_up()
     client = ThreadedClient(
         ClientConfig(
             url=args.url, name=args.name, tensors=sync_tensors(args.params), token=TOKEN, progress_interval_s=0
@@ -195,13 +222,14 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
         size = layout.fragments[0].padded_size
         rng = np.random.default_rng(args.seed)
         drift = (DRIFT * rng.standard_normal(size)).astype(np.float32)
+        held = _Held()
         if welcome.needs_init:
-            base = rng.standard_normal(size).astype(np.float32)
-            client.init(0, codec.encode(base, "fp32", parallel=False))
-            version = 0
+            held.base = rng.standard_normal(size).astype(np.float32)
+            client.init(0, codec.encode(held.base, "fp32", parallel=False))
+            held.version = 0
         else:
-            update = _wait_for("the initial parameters", lambda t: t[0].get(0), client)
-            base, version = update.encoded.decode(parallel=False), update.version
+            _wait_for("the initial parameters", lambda t: held.follow(t) or held.version >= 0 or None, client)
+        base, version = held.base, held.version
         params = base.copy()
         client.progress(session.ProgressInfo(0, (version,), (0,), (0,)))  # live: the syncer counts it in
         samples = []
@@ -214,15 +242,12 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             push = Push(welcome.learner, 0, step, version, PUSH_STEPS, PUSH_TOKENS, codec.parse(payload))
             client.push(push)
             t_pushed = time.monotonic()
-            update = _wait_for(
-                "the merged version",
-                lambda t, held=version: t[0][0] if 0 in t[0] and t[0][0].version > held else None,
-                client,
+            _wait_for(
+                "the merged version", lambda t, before=version: held.follow(t) or held.version > before or None, client
             )
-            t_update = time.monotonic()
-            values = update.encoded.decode(parallel=False)
-            np.copyto(params, values)
-            base, version = values, update.version
+            t_update = held.arrived
+            np.copyto(params, held.base)
+            base, version = held.base, held.version
             t_applied = time.monotonic()
             barrier.wait(PHASE_S_MAX)  # done: the parent reads the syncer's counters
             samples.append(
@@ -503,6 +528,7 @@ def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
         "breakdown_median_s": {phase: statistics.median(r[phase] for r in rows) for phase in PHASES},
         "bytes_in_per_sync": statistics.median(r["bytes_in"] for r in rows),
         "bytes_out_per_sync": statistics.median(r["bytes_out"] for r in rows),
+        "bytes_out_per_byte_in": statistics.median(r["bytes_out"] / max(r["bytes_in"], 1) for r in rows),
         "push_bytes": rows[0]["push_bytes"],
         "fp32_model_bytes": 4 * config.params,
         "learner_versions": [r["version"] for r in learners],
@@ -529,7 +555,8 @@ def format_report(r: dict) -> str:
         (
             "bytes",
             (
-                f"in {r['bytes_in_per_sync'] / 2**20:.1f} MiB, out {r['bytes_out_per_sync'] / 2**20:.1f} MiB per sync "
+                f"in {r['bytes_in_per_sync'] / 2**20:.1f} MiB, out {r['bytes_out_per_sync'] / 2**20:.1f} MiB per sync, "
+                f"{r['bytes_out_per_byte_in']:.2f} bytes out per byte in "
                 f"(the fp32 model is {r['fp32_model_bytes'] / 2**20:.1f} MiB)"
             ),
         ),

@@ -38,7 +38,7 @@ class SyncerBenchConfig:
     codec: str = "int4"
     fragments: int = 8
     seconds: float = 20.0
-    broadcast_codec: str = "fp32"
+    broadcast_codec: str = "int4"  # the codec of the deltas sent back (core.publish)
     merge: str = "rda"
     step_hz: float = 50.0  # how often each learner reports a step (rounds open at this rate)
     ceiling_seconds: float = 4.0  # how long the baseline's processes push
@@ -91,8 +91,8 @@ def _learner_main(
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             box = client.inbox
-            for p, u in list(box.updates.items()):
-                versions[p] = u.version
+            for p, chain in list(box.updates.items()):
+                versions[p] = chain[-1].version if chain else versions[p]
             box.updates.clear()
             step += 1
             n = len(sizes)
@@ -259,6 +259,7 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "merges_per_s": raw["merges"] / raw["wall_s"],
         "payload_gbps_in": raw["bytes_in"] / raw["wall_s"] / 1e9,
         "gbps_out": raw["bytes_out"] / raw["wall_s"] / 1e9,
+        "bytes_out_per_byte_in": raw["bytes_out"] / max(raw["bytes_in"], 1),
         "wire_ceiling_gbps": ceiling,
         "traffic_over_ceiling": (raw["bytes_in"] + raw["bytes_out"]) / raw["wall_s"] / 1e9 / ceiling
         if ceiling
@@ -299,7 +300,7 @@ def format_report(r: dict) -> str:
         ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
         (
             "sent out",
-            f"{r['gbps_out']:.3f} GB/s ({r['gbps_out'] / max(r['payload_gbps_in'], 1e-12):.1f} bytes out per byte in)",
+            f"{r['gbps_out']:.3f} GB/s ({r['bytes_out_per_byte_in']:.2f} bytes out per byte in)",
         ),
         (
             "wire ceiling",

@@ -153,7 +153,7 @@ def _draw_syncer(rng: np.random.Generator, tensors: int, learners: int) -> Synce
         merge=MergeMethod(str(rng.choice(["rda", "mean"]))),
         outer=OuterConfig(lr=float(rng.choice([0.5, 0.7, 1.0])), momentum=float(rng.choice([0.0, 0.9]))),
         grace=grace,
-        broadcast_codec=str(rng.choice(["fp32", "bf16"])),
+        broadcast_codec=str(rng.choice(["int4", "bf16", "fp32"])),
         checkpoint_every_merges=int(rng.integers(0, 6)),
         checkpoint_every_s=0.0,
     )

@@ -3,8 +3,8 @@
 Messages from a connection become core events (a hello is a Join keyed by the connection; anything
 else carries the learner id the welcome gave that connection); the shell runs the core and carries
 out its effects through this link: welcomes, requests and errors go out as control messages; an
-update sends `syncer.update_values` (bf16 decoded as the learner would) to every addressed learner
-still connected; timers fire on the virtual clock (a restart cancels them); a Drop closes the
+update sends the syncer's published copy (what a learner reconstructs from the delta broadcast) to
+every addressed learner still connected, the network carrying the delta's bytes; timers fire on the virtual clock (a restart cancels them); a Drop closes the
 connection after its queued control messages; WriteCheckpoint keeps the checkpoint bytes in memory;
 after an event that merged, a MergeCost event follows with the (simulated) time the merge took; a
 reset connection becomes a Disconnect of its learner.
@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from ddiloco import kernels
 from ddiloco.chaos.invariants import Checker
 from ddiloco.chaos.learner import CONTROL_BYTES
 from ddiloco.chaos.network import DOWN, Connection, Message, Network, Scheduler
@@ -165,10 +164,22 @@ class SimSyncer:
             message = Message("error", body, CONTROL_BYTES + len(effect.text))
         self.network.send(conn, DOWN, message)
 
-    def send_update(self, conns: tuple[int, ...], fragment: int, name: str, version: int, values: np.ndarray) -> None:
+    def send_update(
+        self,
+        conns: tuple[int, ...],
+        fragment: int,
+        name: str,
+        version: int,
+        values: np.ndarray,
+        base_version: int = -1,
+        block: int = 0,
+    ) -> None:
         # The view is valid only until the next handle(): copy it, as the daemon copies it into frames.
+        # A simulated learner gets what a real one reconstructs, the published copy (a delta applied
+        # onto the copy before it, core.publish, gives exactly its bits); the network carries the
+        # delta's bytes.
         wire_bytes = values.nbytes
-        values = kernels.from_bf16(values) if name == "bf16" else np.array(values, dtype=np.float32)
+        values = np.array(self.state.fragments[fragment].published, dtype=np.float32)
         self.checker.sent(fragment, version, name, values, self.scheduler.now)
         body = {"fragment": fragment, "version": version, "values": values}
         for conn_id in conns:

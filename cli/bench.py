@@ -85,7 +85,7 @@ def _syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"])
     p.add_argument("--fragments", type=_positive_int, default=8)
     p.add_argument("--seconds", type=float, default=20.0, help="how long the learners push (default 20)")
-    p.add_argument("--broadcast-codec", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--broadcast-codec", default="int4", choices=["int4", "bf16", "fp32"])
     p.add_argument("--merge", default="rda", choices=["rda", "mean"])
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON")
 
@@ -212,7 +212,7 @@ def _sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=parse_count, default="50000000", help="model parameters (default 50M = 5e7)")
     p.add_argument("--learners", type=_positive_int, default=4, help="learner processes, and gloo ranks (default 4)")
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"], help="push codec")
-    p.add_argument("--broadcast-codec", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--broadcast-codec", default="int4", choices=["int4", "bf16", "fp32"])
     p.add_argument("--merge", default="mean", choices=["mean", "rda"], help="mean: what an all-reduce computes")
     p.add_argument("--repeat", type=_positive_int, default=7, help="timed syncs each way, median kept (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="syncs before the timed ones, each way (default 2)")

@@ -32,7 +32,7 @@ from ddiloco.cli.settings import (
 )
 from ddiloco.errors import UserError
 
-_CODECS = ("fp32", "bf16")
+_CODECS = ("int4", "bf16", "fp32")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STANDBY_POLL_S = 0.5  # how often a standby looks for the run's first checkpoint
 
@@ -81,7 +81,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("outer-lr", float, "outer Nesterov learning rate (default 0.7)"),
     Setting("outer-momentum", float, "outer Nesterov momentum (default 0.9)"),
     Setting("merge", str, "how pushed outer gradients are merged (default rda)", choices=("rda", "mean")),
-    Setting("broadcast-codec", str, "codec of the merged fragments sent to learners (default fp32)", choices=_CODECS),
+    Setting(
+        "broadcast-codec",
+        str,
+        "codec of the deltas of the merged fragments sent to learners (default int4)",
+        choices=_CODECS,
+    ),
     Setting("learners-max", int, "learners connected at once (default 256)"),
     Setting(
         "checkpoint-every-merges", int, "also write a checkpoint every this many merges (default 0: never by count)"

@@ -5,11 +5,13 @@ layout, every fragment's parameters, momentum, version and round counter, the gl
 counters and the token ledger's books. Learners are not in it: they reconnect by themselves (their
 open token windows are booked as lost, they were never merged).
 
-The container (format 2) is a plain safetensors file (docs/checkpoints.md says why), so any tool
+The container (format 3) is a plain safetensors file (docs/checkpoints.md says why), so any tool
 that reads safetensors opens it:
 
-    tensors        "theta/<p>" and "momentum/<p>" for every fragment p, F32, one dimension
-    __metadata__   "format": "ddiloco-syncer-checkpoint", "version": "2",
+    tensors        "theta/<p>", "momentum/<p>" and "published/<p>" (the copy the learners
+                   reconstruct from the delta broadcast, core.publish) for every fragment p, F32,
+                   one dimension
+    __metadata__   "format": "ddiloco-syncer-checkpoint", "version": "3",
                    "manifest": the manifest, JSON: the fields of `_manifest`, the run id, and
                                "arrays": {name: sha256 of its bytes},
                    "sha256":   sha256 of the manifest's bytes (the checkpoint's content address)
@@ -19,8 +21,9 @@ one digest covers every byte that matters; the safetensors reader checks the res
 (offsets that tile the file exactly: a truncated file is refused). The arrays are written straight
 from the state's buffers (`to_chunks` copies nothing) and read back through the safetensors library.
 
-Format 1 (`DDCKPT01`: a manifest, raw 64-byte-aligned arrays and a trailing sha256 of the whole
-file) is still read, so checkpoints and tapes written before the switch keep working; it is no
+Formats 2 (the same container without "published/<p>") and 1 (`DDCKPT01`: a manifest, raw
+64-byte-aligned arrays and a trailing sha256 of the whole file) are still read, so checkpoints and
+tapes written before keep working, their published copies taken as copies of theta; they are no
 longer written.
 
 Writing the file atomically (temp file, fsync, rename) is the shell's job (net.files); this module
@@ -50,7 +53,8 @@ from ddiloco.errors import UserError
 __all__ = ["CONTAINER", "FORMAT", "CheckpointError", "content_hash", "manifest_of", "restore", "to_chunks"]
 
 CONTAINER = "ddiloco-syncer-checkpoint"  # the metadata's "format": what kind of safetensors file this is
-FORMAT = 2
+FORMAT = 3
+FORMATS_READ = (3, 2)  # safetensors containers; format 1 has its own magic
 MAGIC_V1 = b"DDCKPT01"
 _DIGEST_BYTES = 32
 _HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
@@ -71,7 +75,7 @@ def to_chunks(state: SyncerState, run: str = "") -> list[bytes | memoryview]:
         raise CheckpointError(f"run id of {len(run)} characters is above the limit of {RUN_CHARS_MAX}")
     arrays = []
     for p, frag in enumerate(state.fragments):
-        arrays += [(f"theta/{p}", frag.theta), (f"momentum/{p}", frag.momentum.buf)]
+        arrays += [(f"theta/{p}", frag.theta), (f"momentum/{p}", frag.momentum.buf), (f"published/{p}", frag.published)]
     hashes = {name: hashlib.sha256(memoryview(arr)).hexdigest() for name, arr in arrays}
     manifest = orjson.dumps({**_manifest(state), "run": run, "arrays": hashes})
     header: dict = {
@@ -93,7 +97,7 @@ def to_chunks(state: SyncerState, run: str = "") -> list[bytes | memoryview]:
 
 
 def restore(buf: bytes | bytearray | memoryview) -> SyncerState:
-    """A syncer state from checkpoint bytes (format 2, or format 1); raises CheckpointError on any mismatch."""
+    """A syncer state from checkpoint bytes (format 3, 2 or 1); raises CheckpointError on any mismatch."""
     view = memoryview(buf).cast("B")
     if bytes(view[:8]) == MAGIC_V1:
         return _restore_v1(view)
@@ -114,7 +118,7 @@ def restore(buf: bytes | bytearray | memoryview) -> SyncerState:
 
 
 def manifest_of(buf: bytes | bytearray | memoryview) -> dict:
-    """The manifest of a format-2 checkpoint (run id, versions, counters: no arrays), its hash checked."""
+    """The manifest of a format-3 or -2 checkpoint (run id, versions, counters: no arrays), its hash checked."""
     view = memoryview(buf).cast("B")
     meta = _metadata(view)
     raw = meta["manifest"].encode()
@@ -151,8 +155,8 @@ def _metadata(view: memoryview) -> dict:
         raise CheckpointError(
             f"not a ddiloco checkpoint: a safetensors file without format {CONTAINER!r} in its metadata"
         )
-    if meta.get("version") != str(FORMAT):
-        raise CheckpointError(f"checkpoint format {meta.get('version')!r}; this version reads formats {FORMAT} and 1")
+    if meta.get("version") not in {str(f) for f in FORMATS_READ}:
+        raise CheckpointError(f"checkpoint format {meta.get('version')!r}; this version reads formats 3, 2 and 1")
     if not isinstance(meta.get("manifest"), str) or not isinstance(meta.get("sha256"), str):
         raise CheckpointError("checkpoint metadata lacks its manifest or its sha256")
     return meta
@@ -230,6 +234,7 @@ def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
             theta = np.ascontiguousarray(theta).copy()  # the syncer owns and updates its fragments in place
         frag.theta = theta
         frag.momentum = NesterovState(buf=arrays[f"momentum/{p}"])
+        frag.published = _published(arrays, p, theta) if int(manifest["format"]) >= 3 else theta.copy()
         frag.version = int(manifest["versions"][p])
         frag.rounds_opened = int(manifest["rounds_opened"][p])
     state.global_step = int(manifest["global_step"])
@@ -249,6 +254,22 @@ def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
         if frag.theta.shape != (layout.fragments[p].padded_size,) or frag.momentum.buf.shape != frag.theta.shape:
             raise CheckpointError(f"fragment {p}'s arrays do not have the size its layout gives it")
     return state
+
+
+def _published(arrays: dict[str, np.ndarray], p: int, theta: np.ndarray) -> np.ndarray:
+    """Fragment p's published copy of a format-3 checkpoint, checked as theta is."""
+    published = arrays.get(f"published/{p}")
+    if published is None:
+        raise CheckpointError(f"fragment {p} has no published copy (published/{p}), which format 3 needs")
+    if published.dtype != np.float32 or published.shape != theta.shape:
+        raise CheckpointError(
+            f"fragment {p}'s published copy is {published.dtype} {published.shape}, needs float32 {theta.shape}"
+        )
+    if not _all_finite(published):
+        raise CheckpointError(f"fragment {p}'s published copy has NaN or Inf values")
+    if not published.flags.writeable or not published.flags.c_contiguous:
+        published = np.ascontiguousarray(published).copy()  # updated in place by the next publish
+    return published
 
 
 _FINITE_CHUNK_ELEMENTS = 1 << 20  # numpy's isfinite makes a bool per element: a chunk at a time

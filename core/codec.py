@@ -69,6 +69,12 @@ class Codec(str, enum.Enum):
             return 2 * elements
         return 4 * (elements // block) + elements // _CODES_PER_BYTE[self]
 
+    def elements_of_body(self, body_bytes: int, block: int) -> int:
+        """The element count of a body of `body_bytes` (the inverse of `body_bytes`)."""
+        if not self.is_block:
+            return body_bytes // self.dense_bytes
+        return body_bytes // (4 + block // _CODES_PER_BYTE[self]) * block
+
 
 _IDENTS = {Codec.FP32: 1, Codec.BF16: 2, Codec.INT4: 3, Codec.INT2: 4, Codec.INT1: 5}
 _BY_IDENT = {v: k for k, v in _IDENTS.items()}

@@ -35,7 +35,9 @@ class SyncerConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     grace: GraceConfig = field(default_factory=GraceConfig)
     push_codecs: tuple[str, ...] = ("int4", "bf16", "fp32", "int2", "int1")
-    broadcast_codec: Codec = Codec.FP32
+    # The codec of the deltas of the published copy a learner reconstructs (core.publish); a learner
+    # that does not hold the previous version gets the published copy whole, in fp32.
+    broadcast_codec: Codec = Codec.INT4
     learners_max: int = 256
     decisions_kept: int = 64
     checkpoint_every_merges: int = 0  # 0: never by count
@@ -58,8 +60,8 @@ class SyncerConfig:
                 object.__setattr__(self, name, kind(getattr(self, name)))
             except ValueError:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is not one of {[k.value for k in kind]}") from None
-        if self.broadcast_codec not in (Codec.FP32, Codec.BF16):
-            raise ConfigError(f"broadcast_codec must be fp32 or bf16, got {self.broadcast_codec.value}")
+        if self.broadcast_codec not in (Codec.INT4, Codec.BF16, Codec.FP32):
+            raise ConfigError(f"broadcast_codec must be int4, bf16 or fp32, got {self.broadcast_codec.value}")
         bad = [c for c in self.push_codecs if c not in {k.value for k in Codec}]
         if bad or not self.push_codecs:
             raise ConfigError(f"push_codecs {self.push_codecs!r}: unknown {bad}" if bad else "push_codecs is empty")

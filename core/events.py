@@ -115,11 +115,18 @@ class SendWelcome:
 class SendUpdate:
     """Send fragment `fragment` to some learners. The shell takes the values with
     `syncer.update_values` when it actually sends (between two `handle` calls), so a learner that
-    is behind gets the newest version, encoded once however many learners wait for it."""
+    is behind gets the newest version, encoded once however many learners wait for it.
+
+    With `base_version` >= 0 the version goes out as the delta onto the published copy of
+    `base_version` (its codec body in blocks of `block`, 0 for fp32 and bf16) to each learner whose
+    connection was last sent that version, and whole (fp32) to the others; with -1, whole to all
+    (docs/protocol.md, "Delta broadcast")."""
 
     learners: tuple[int, ...]
     fragment: int
     version: int  # the version at the time of the effect (a newer one may be sent)
+    base_version: int = -1
+    block: int = 0
 
 
 @dataclass(frozen=True)

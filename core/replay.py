@@ -159,6 +159,15 @@ def _match_check(record: dict, checks: deque, event: dict | None) -> Divergence 
             record["sha256"],
             got["sha256"],
         )
+    for key, what in (("published", "published copy"), ("delta", "broadcast delta")):
+        if key in record and got.get(key) != record[key]:  # a tape of protocol 1 has neither
+            return Divergence(
+                index,
+                text,
+                f"{what} of fragment {record['fragment']} version {record['version']}",
+                record[key],
+                got.get(key),
+            )
     return None
 
 

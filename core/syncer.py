@@ -15,7 +15,8 @@ open; one push per learner (a newer one replaces the older). When K have arrived
 computed, and the round closes when it expires, when every learner live at its opening that is still
 connected has delivered, or when the next round of the same fragment opens. Closing merges (mean or
 RDA, token weighted, a push s versions behind discounted by 1/(1+s)), applies the outer Nesterov step,
-bumps the version and broadcasts the fragment.
+bumps the version and broadcasts the fragment: as the delta that takes the published copy from the
+previous version to this one (core.publish, docs/protocol.md "Delta broadcast").
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from ddiloco import kernels
 from ddiloco.core import codec as codecs
 from ddiloco.core import outer
+from ddiloco.core import publish as publishing
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import (
     ArmTimer,
@@ -120,6 +122,10 @@ class FragmentState:
     # Admitted pushes that arrived while no round of the fragment was open (or whose round was
     # skipped): they join its next round. learner -> push; not in a checkpoint (like an open round).
     kept: dict[int, Push] = field(default_factory=dict)
+    # float32[padded], what every learner following the broadcast holds of `version` (core.publish);
+    # None while theta is
+    published: np.ndarray | None = None
+    delta: publishing.Delta | None = None  # the delta to `version` from the one before; None: send whole
 
 
 @dataclass(frozen=True)
@@ -334,6 +340,8 @@ def _hold(state: SyncerState, p: int, values: np.ndarray) -> None:
     frag = state.fragments[p]
     frag.theta = values
     frag.momentum = outer.init(values)
+    frag.published = values.copy()  # version 0 goes out whole: the learners' copy is exact
+    frag.delta = None
 
 
 def _checked_params(layout: Layout, p: int, values: np.ndarray | None) -> np.ndarray:
@@ -593,6 +601,8 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
         if late and push.weight > 0:
             _count_late(state, "carried", now, out)
     frag.version += 1
+    body, block = publishing.publish(frag.published, frag.theta, state.config.broadcast_codec, state.layout.block)
+    frag.delta = publishing.Delta(state.config.broadcast_codec, block, frag.version - 1, body)
     state.merges += 1
     state.merges_since_checkpoint += 1
     late_text = f"; missing {', '.join(f'learner {m}' for m in missing)}" if missing else ""
@@ -605,7 +615,8 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
         f"{why}{late_text}{stale_text}{fallback}"
     )
     _decide(state, now, p, rnd, "merged", reason, out)
-    out.append(update_effect(state, p, tuple(r.id for r in state.connected() if r.status in _RECEIVERS)))
+    receivers = tuple(r.id for r in state.connected() if r.status in _RECEIVERS)
+    out.append(update_effect(state, p, receivers, base_version=frag.version - 1))
     out.append(Merged(p, frag.version, info.learners, info.weights, rnd.grace_s, now - rnd.opened_at))
 
 
@@ -643,22 +654,28 @@ def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, re
     out.append(Log("info", f"fragment {p} round {rnd.number}: {reason}"))
 
 
-def update_effect(state: SyncerState, p: int, learners: tuple[int, ...]) -> SendUpdate:
-    """The effect that sends the current version of fragment p to `learners`."""
-    return SendUpdate(learners, p, state.fragments[p].version)
-
-
-def update_values(state: SyncerState, p: int) -> tuple[str, int, np.ndarray]:
-    """(codec, version, values) of fragment p as broadcast: fp32 is a read-only view of the
-    syncer's own fragment (no copy), bf16 a converted copy. Valid only until the next `handle`
-    call, which may merge into the fragment in place: copy it into frames before then."""
+def update_effect(state: SyncerState, p: int, learners: tuple[int, ...], base_version: int = -1) -> SendUpdate:
+    """The effect that sends the current version of fragment p to `learners`: as the delta from
+    `base_version` to those the shell knows hold it (net.shell), whole to the others; whole to all
+    with base_version -1."""
     frag = state.fragments[p]
-    if state.config.broadcast_codec is codecs.Codec.BF16:
-        values = kernels.to_bf16(frag.theta)
-    else:
-        values = frag.theta.view()
+    block = frag.delta.block if base_version >= 0 else 0
+    return SendUpdate(learners, p, frag.version, base_version, block)
+
+
+def update_values(state: SyncerState, p: int, whole: bool) -> tuple[str, int, int, int, np.ndarray]:
+    """(codec, version, base version, block, values) of fragment p as broadcast: with `whole` (or
+    when there is no delta to the current version) the published copy in fp32, base version -1, a
+    read-only view of the syncer's own array (no copy); else the delta's codec body, which applies
+    onto the published copy of the version before. Valid only until the next `handle` call, which
+    may publish into the array in place: copy it into frames before then."""
+    frag = state.fragments[p]
+    if whole or frag.delta is None:
+        values = frag.published.view()
         values.flags.writeable = False
-    return state.config.broadcast_codec.value, frag.version, values
+        return codecs.Codec.FP32.value, frag.version, -1, 0, values
+    delta = frag.delta
+    return delta.codec.value, frag.version, delta.base_version, delta.block, delta.body
 
 
 def _full_update(state: SyncerState, learners: tuple[int, ...]) -> list[Effect]:
@@ -687,7 +704,7 @@ def _on_disconnect(state: SyncerState, ev: Disconnect, now: float, out: list[Eff
 def _hand_over_init(state: SyncerState, out: list[Effect]) -> None:
     """The learner asked for version 0 died half-way: forget its partial fragments, ask the next."""
     for frag in state.fragments:
-        frag.theta, frag.momentum = None, None
+        frag.theta, frag.momentum, frag.published, frag.delta = None, None, None, None
     nxt = next((r for r in state.connected() if r.status is LearnerStatus.JOINING), None)
     if nxt is None:
         return
@@ -736,7 +753,8 @@ def _layout_difference(ours: Layout, theirs: Layout) -> str:
 
 
 def state_hash(state: SyncerState) -> str:
-    """A hash of everything a resumed syncer must reproduce: layout, versions, parameters, momentum."""
+    """A hash of everything a resumed syncer must reproduce: layout, versions, parameters, momentum,
+    the published copies."""
     h = hashlib.sha256()
     h.update((state.layout.digest if state.layout else "").encode())
     for frag in state.fragments:
@@ -744,6 +762,7 @@ def state_hash(state: SyncerState) -> str:
         if frag.theta is not None:
             h.update(frag.theta.tobytes())
             h.update(frag.momentum.buf.tobytes())
+            h.update(frag.published.tobytes())
     h.update(f"step={state.global_step};merges={state.merges}".encode())
     return h.hexdigest()
 

@@ -18,7 +18,7 @@ The first record is the header (the resolved syncer config and how the run start
 "checkpoint" naming the initial checkpoint in the payload store and its state hash). Then one
 "event" record per event the core handled (its index, `now`, the syncer's vector clock, the event's
 kind and fields, payloads by sha256), a "check" record after each merge (fragment, version, sha256
-of the fragment's new values) and at a clean end a "close" record with the final state hash.
+of the fragment's new values, of its published copy and of the broadcast delta's codec body) and at a clean end a "close" record with the final state hash.
 
 Crash safety (net.recording, which writes and reads the files): records are appended and flushed
 one by one; the file is fsynced every `fsync_every_records` records or `fsync_every_bytes` bytes and
@@ -182,7 +182,12 @@ def merge_check(index: int, state: SyncerState, fragment: int) -> dict:
     """The check record of a merge of `fragment` while handling event `index`."""
     frag = state.fragments[fragment]
     digest = hashlib.sha256(memoryview(frag.theta)).hexdigest()
-    return {"type": "check", "i": index, "fragment": fragment, "version": frag.version, "sha256": digest}
+    record = {"type": "check", "i": index, "fragment": fragment, "version": frag.version, "sha256": digest}
+    # what the learners reconstruct, and what went out to them (docs/protocol.md, "Delta broadcast")
+    record["published"] = hashlib.sha256(memoryview(frag.published)).hexdigest()
+    if frag.delta is not None:
+        record["delta"] = hashlib.sha256(memoryview(frag.delta.body)).hexdigest()
+    return record
 
 
 def _frame(body: bytes) -> bytes:

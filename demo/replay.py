@@ -275,25 +275,23 @@ def replay_full(directory: Path | str, cache_dir: Path | None = None) -> FullRes
         if result.divergence and out.divergence is None:
             out.divergence = f"learner {result.name}: {result.divergence}"
     checks: dict[tuple[int, int], set[str]] = {}
-    fp32 = True
     for d in syncer_dirs:
         tape = dataclasses.replace(recording.read(d), payloads=bodies)
-        fp32 = fp32 and tape.header["config"].get("broadcast_codec", "fp32") == "fp32"
         result = core_replay.replay(tape)
         out.syncers.append((d.name, result))
         for r in tape.records:
             if r["type"] == "check":
-                checks.setdefault((r["fragment"], r["version"]), set()).add(r["sha256"])
+                # a whole update is the published copy, a delta its codec body (docs/protocol.md)
+                checks.setdefault((r["fragment"], r["version"]), set()).update(
+                    r[k] for k in ("published", "delta") if k in r
+                )
         if not result.ok and out.divergence is None:
             out.divergence = f"syncer tape {d.name}: {result.divergence}"
     for q, sha in out.init_bodies:  # version 0 of a fragment is what the first learner sent
         checks.setdefault((q, 0), set()).add(sha)
-    if fp32:
-        out.updates_checked, bad = _check_updates(learners, checks)
-        if bad and out.divergence is None:
-            out.divergence = bad
-    else:
-        out.updates_note = "fragment versions applied by learners not checked by hash (broadcasts are not fp32)"
+    out.updates_checked, bad = _check_updates(learners, checks)
+    if bad and out.divergence is None:
+        out.divergence = bad
     return out
 
 
@@ -302,7 +300,7 @@ def _check_updates(learners: list[ltapes.LearnerTape], checks: dict) -> tuple[in
     n = 0
     for tape in learners:
         for r in tape.of("take"):
-            for q, version, ref in r["updates"]:
+            for q, version, ref, *_ in r["updates"]:
                 sha = ref["$payload"]["sha256"]
                 if sha not in checks.get((q, version), set()):
                     return n, (

@@ -303,7 +303,7 @@ def _compression(size: Size) -> list[Arm]:
     return arms
 
 
-BROADCAST_CODECS = ("fp32", "bf16", "int4")  # int4: the merged fragment sent as an int4 delta
+BROADCAST_CODECS = ("fp32", "bf16", "int4")  # the codec of the delta of each new version (int4: the default)
 
 
 def broadcast_codecs() -> tuple[str, ...]:
@@ -588,7 +588,8 @@ EXPERIMENTS: dict[str, Experiment] = {
             _broadcast,
             verdict=_verdict_broadcast,
             note="Only the syncer's broadcast codec changes between the arms: M = 4 learners, K = 1, RDA, int4 pushes. "
-            "The int4 arm runs once the syncer accepts `broadcast_codec = int4`.",
+            "Every arm sends each new version as a delta onto the published copy the learners hold (error feedback "
+            'on the syncer: docs/protocol.md, "Delta broadcast"); int4 is the default.',
             if_disagree="A lossy broadcast puts the same rounding into every learner's parameters at every merge; "
             "when it costs more than the tolerance, the learners' drift from the syncer's fp32 state is the first "
             "thing to look at.",

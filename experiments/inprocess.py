@@ -160,9 +160,27 @@ class Hub:
     def send(self, conn_id: int, effect: Control) -> None:
         self._send_down(self._conns[conn_id], session.frames_for(effect, next(self._message_ids), self.limits))
 
-    def send_update(self, conns: tuple[int, ...], fragment: int, codec: str, version: int, values) -> None:
+    def send_update(
+        self,
+        conns: tuple[int, ...],
+        fragment: int,
+        codec: str,
+        version: int,
+        values,
+        base_version: int = -1,
+        block: int = 0,
+    ) -> None:
         # Copied into frames now, between two core calls (as the daemon does); the merge cost delays them.
-        frames = session.update_frames(fragment, version, codec, values, next(self._message_ids), self.limits)
+        frames = session.update_frames(
+            fragment,
+            version,
+            codec,
+            values,
+            next(self._message_ids),
+            self.limits,
+            base_version=base_version,
+            block=block,
+        )
         for conn_id in conns:
             self._send_down(self._conns[conn_id], frames, extra_s=self.network.merge_s)
 
@@ -267,6 +285,11 @@ class InProcessTransport:
         except SyncerRefused as exc:  # a fatal error frame: refused for good, as on a socket
             self._client.refused = exc
             self.hang_up()
+            return
+        if self._client._behind is not None:  # UPDATES_QUEUED_MAX untaken: rejoin for whole copies, as the client does
+            self._client._behind = None
+            self.hang_up()
+            self.hub.loop.at(self.hub.loop.now + self.hub.network.latency_s, self.connect)
             return
         if isinstance(item, session.WelcomeInfo):
             self._welcomed = True

@@ -8,7 +8,8 @@ warmup(). Every wrapper takes `parallel=True`: False keeps the call on the calli
 codec work beside its training step); results are the same bits either way (see _parallelism).
 A round's merge has fused kernels (round_mean*, rda_accumulate_round*, nesterov_step_segments) that
 read every contribution once, and the learner has one-pass encode and apply (quantize_delta_int4,
-apply_delta_int4). `ddiloco.kernels.reference` holds a plain-numpy version of each with the same signature.
+apply_delta_int4); the int4 broadcast has its one-pass publish and the learner's apply of it
+(publish_delta_int4, add_delta_int4). `ddiloco.kernels.reference` holds a plain-numpy version of each with the same signature.
 """
 
 import importlib
@@ -32,10 +33,12 @@ _LAZY = {
     "accumulate_int1": "_lowbit",
     "accumulate_int2": "_lowbit",
     "accumulate_int4": "_lowbit",
+    "add_delta_int4": "_lowbit",
     "apply_delta_int4": "_lowbit",
     "dequantize_int1": "_lowbit",
     "dequantize_int2": "_lowbit",
     "dequantize_int4": "_lowbit",
+    "publish_delta_int4": "_lowbit",
     "quantize_delta_int4": "_lowbit",
     "quantize_int1": "_lowbit",
     "quantize_int2": "_lowbit",
@@ -87,6 +90,7 @@ __all__ = [
     "accumulate_int1",
     "accumulate_int2",
     "accumulate_int4",
+    "add_delta_int4",
     "all_finite",
     "apply_delta_int4",
     "count_nonfinite",
@@ -96,6 +100,7 @@ __all__ = [
     "from_bf16",
     "nesterov_step",
     "nesterov_step_segments",
+    "publish_delta_int4",
     "quantize_delta_int4",
     "quantize_int1",
     "quantize_int2",

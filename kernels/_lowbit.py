@@ -31,7 +31,9 @@ driver made by a factory closure is never loaded from the cache at all (measured
 
 The learner's kernels are here too: quantize_delta (outer gradient base - theta, plus the error-feedback
 residual, quantised, and the new residual, in one pass) and apply_delta (theta and base += a decoded
-delta, in one pass).
+delta, in one pass). So are the broadcast's (core.publish): publish_delta (the syncer's delta
+theta - published quantised and its decoded value added to published, in one pass) and add_delta (a
+learner's published += the decoded delta, the same float32 operations, so the same bits).
 """
 
 from __future__ import annotations
@@ -372,6 +374,77 @@ def _apply_delta_parallel(theta, base, codes, scales, block, bits, bounds):
         )
 
 
+@njit(nogil=True, inline="always")
+def _publish_blocks(published, theta, codes, scales, block, cb, quantize, set_):
+    # t = theta - published (float32); codes/scales of t; published += decode(codes, scales) (the
+    # float32 add a learner makes in _add_published_blocks, so both copies keep the same bits)
+    t = np.empty(block, np.float32)
+    tbits = t.view(np.uint32)
+    d = np.empty(block, np.float32)
+    amax = np.empty(1, np.uint32)
+    amax_f32 = amax.view(np.float32)
+    nonfinite = 0
+    for k in range(scales.size):
+        lo = k * block
+        pb = published[lo : lo + block]
+        th = theta[lo : lo + block]
+        for j in range(block):
+            t[j] = th[j] - pb[j]
+        m = _absmax_bits(tbits)
+        if m >= _NONFINITE_BITS:
+            nonfinite += 1
+            continue
+        amax[0] = m
+        c = codes[k * cb : (k + 1) * cb]
+        s = quantize(t, c, amax_f32[0])
+        scales[k] = s
+        set_(d, c, s)
+        for j in range(block):
+            pb[j] += d[j]
+    return nonfinite
+
+
+@njit(nogil=True, inline="always")
+def _add_published_blocks(published, codes, scales, block, cb, set_):
+    # published += decode(codes, scales), value by value as _publish_blocks adds it
+    d = np.empty(block, np.float32)
+    for k in range(scales.size):
+        set_(d, codes[k * cb : (k + 1) * cb], scales[k])
+        pb = published[k * block : (k + 1) * block]
+        for j in range(block):
+            pb[j] += d[j]
+
+
+@njit(nogil=True, cache=True)
+def _publish_serial(published, theta, codes, scales, block):
+    return _publish_blocks(published, theta, codes, scales, block, block // 2, _quantize4, _set4)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _publish_parallel(published, theta, codes, scales, block, bounds):
+    nonfinite = 0
+    for s in prange(bounds.size - 1):
+        a = bounds[s]
+        b = bounds[s + 1]
+        nonfinite += _publish_serial(
+            published[a:b], theta[a:b], codes[a // 2 : b // 2], scales[a // block : b // block], block
+        )
+    return nonfinite
+
+
+@njit(nogil=True, cache=True)
+def _add_published_serial(published, codes, scales, block):
+    _add_published_blocks(published, codes, scales, block, block // 2, _set4)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _add_published_parallel(published, codes, scales, block, bounds):
+    for s in prange(bounds.size - 1):
+        a = bounds[s]
+        b = bounds[s + 1]
+        _add_published_serial(published[a:b], codes[a // 2 : b // 2], scales[a // block : b // block], block)
+
+
 # ---- a round's merge, fused: every contribution decoded, weighted and summed per tile ----
 
 
@@ -513,6 +586,40 @@ class BlockCodec:
             _apply_delta_serial(theta, base, codes, scales, block, self.bits)
         else:
             _apply_delta_parallel(theta, base, codes, scales, block, self.bits, bounds)
+
+    def publish_delta(
+        self, published: object, theta: object, block: object, parallel: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        assert self.bits == 4, "the broadcast delta is int4 only"
+        block = _checks.block_size(block, self.per_byte)
+        published = _checks.vector("published", published, np.float32, writeable=True)
+        theta = _checks.vector("theta", theta, np.float32)
+        _checks.length("theta", theta, published.size)
+        _checks.disjoint(published=published, theta=theta)
+        blocks = _checks.blocked_length("published", published.size, block)
+        codes = np.empty(published.size // self.per_byte, dtype=np.uint8)
+        scales = np.empty(blocks, dtype=np.float32)
+        bounds = thread_bounds(published.size, block, parallel)
+        if bounds is None:
+            bad = _publish_serial(published, theta, codes, scales, block)
+        else:
+            bad = _publish_parallel(published, theta, codes, scales, block, bounds)
+        if bad:
+            # Blocks before and after the bad ones were published: the caller's copy is no longer one
+            # a learner can reconstruct (theta - published overflowed: a bug upstream, never a peer's).
+            raise KernelInputError(f"theta - published has NaN or Inf values in {bad} of its {blocks} blocks")
+        return codes, scales
+
+    def add_delta(self, published: object, codes: object, scales: object, block: object, parallel: bool) -> None:
+        assert self.bits == 4, "the broadcast delta is int4 only"
+        _checks.vector("published", published, np.float32, writeable=True)
+        block, _, codes, scales = _checks.coded(codes, scales, block, self.per_byte, published.size)
+        _checks.disjoint(published=published, codes=codes, scales=scales)
+        bounds = thread_bounds(published.size, block, parallel)
+        if bounds is None:
+            _add_published_serial(published, codes, scales, block)
+        else:
+            _add_published_parallel(published, codes, scales, block, bounds)
 
     def round_mean(
         self,
@@ -683,6 +790,23 @@ def apply_delta_int4(
     """An arrived int4 delta d = dequantize_int4(codes, scales), applied in one pass and in place:
     theta += d and base += d (the learner's own progress since its base is kept)."""
     INT4.apply_delta(theta, base, codes, scales, block, parallel)
+
+
+def publish_delta_int4(
+    published: np.ndarray, theta: np.ndarray, block: int = _DEFAULT, *, parallel: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """The syncer's broadcast step in one pass: (codes, scales) = quantize_int4(theta - published) and
+    published += dequantize_int4(codes, scales) in place, bit for bit those numpy expressions. NaN/Inf in
+    theta - published raise (published is then partly updated: a bug upstream, never a peer's input)."""
+    return INT4.publish_delta(published, theta, block, parallel)
+
+
+def add_delta_int4(
+    published: np.ndarray, codes: np.ndarray, scales: np.ndarray, block: int = _DEFAULT, *, parallel: bool = True
+) -> None:
+    """A learner's side of the broadcast: published += dequantize_int4(codes, scales) in place, the same
+    float32 additions as publish_delta_int4 makes, so both copies hold the same bits."""
+    INT4.add_delta(published, codes, scales, block, parallel)
 
 
 def round_mean_int4(

@@ -54,6 +54,9 @@ def _run_all(n: int) -> None:
     _, _, residual = _lowbit.quantize_delta_int4(x, acc, buf, BLOCK_DEFAULT)
     _lowbit.quantize_delta_int4(x, acc, None, BLOCK_DEFAULT)
     _lowbit.apply_delta_int4(acc, residual, codes, scales, BLOCK_DEFAULT)
+    # the broadcast's publish and a learner's apply of it
+    _lowbit.publish_delta_int4(acc, x, BLOCK_DEFAULT)
+    _lowbit.add_delta_int4(acc, codes, scales, BLOCK_DEFAULT)
 
 
 def warmup() -> None:

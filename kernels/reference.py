@@ -282,11 +282,22 @@ def apply_delta_int4(theta, base, codes, scales, block=BLOCK_DEFAULT) -> None:
     base += d
 
 
+def publish_delta_int4(published, theta, block=BLOCK_DEFAULT):
+    codes, scales = quantize_int4(theta - published, block)
+    published += dequantize_int4(codes, scales, block)
+    return codes, scales
+
+
+def add_delta_int4(published, codes, scales, block=BLOCK_DEFAULT) -> None:
+    published += dequantize_int4(codes, scales, block)
+
+
 __all__ = [
     "accumulate",
     "accumulate_int1",
     "accumulate_int2",
     "accumulate_int4",
+    "add_delta_int4",
     "all_finite",
     "apply_delta_int4",
     "count_nonfinite",
@@ -296,6 +307,7 @@ __all__ = [
     "from_bf16",
     "nesterov_step",
     "nesterov_step_segments",
+    "publish_delta_int4",
     "quantize_delta_int4",
     "quantize_int1",
     "quantize_int2",

@@ -4,8 +4,8 @@ The learner loop of Decoupled DiLoCo (docs/algorithm.md, "Learner loop"). Each c
 network or the device: counts the step and its tokens for every fragment; at the steps where
 fragment p is due (step mod H == t_p, the welcome's schedule) starts copying fragment p to the host,
 and at the next call pushes the compressed outer gradient base_p - theta_p on its own (protocol 2,
-docs/protocol.md "Learner-driven pushes"); applies fragment versions that have arrived (overwrite, or
-an alpha mix) and resets their counters; and reports progress. A step with no fragment due and
+docs/protocol.md "Learner-driven pushes"); applies fragment versions that have arrived (a delta onto the syncer's published copy
+it holds, or a whole copy; then overwrite, or an alpha mix) and resets their counters; and reports progress. A step with no fragment due and
 nothing arrived only counts. The network runs on the client's own thread; a syncer that is down only
 means no merges for a while.
 
@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Self
 import numpy as np
 
 from ddiloco.core import codec
+from ddiloco.core import publish as publishing
 from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, layout_from_description
 from ddiloco.errors import UserError
@@ -104,14 +105,18 @@ class FragmentSync(NamedTuple):
     steps: int = 0  # inner steps since the version held arrived
     tokens: int = 0  # tokens trained on since then
     feedback: codec.FeedbackState | None = None  # error feedback's residual, when enabled
+    # The syncer's published copy of `version` (core.publish), bit for bit: what the next delta
+    # applies onto. None when the version held came from elsewhere (a peer, a snapshot) and no whole
+    # copy of it has arrived: deltas are then ignored until one does. Never changed in place.
+    published: np.ndarray | None = None
 
     def counted(self, tokens: int) -> FragmentSync:
         """One more inner step of `tokens` tokens."""
         return self._replace(steps=self.steps + 1, tokens=self.tokens + tokens)
 
-    def received(self, version: int, values: np.ndarray) -> FragmentSync:
+    def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
         """A version arrived and was applied: it is the new base, and the counters start again."""
-        return self._replace(version=version, base=values, steps=0, tokens=0)
+        return self._replace(version=version, base=values, steps=0, tokens=0, published=published)
 
 
 # The most calls an arrived version waits behind a push of its fragment (`DilocoSync._apply_arrived`).
@@ -159,6 +164,7 @@ class DilocoSync:
         # Codec kernels on the training thread only, unless asked otherwise (SyncConfig.serial_kernels).
         self.parallel_kernels = not config.serial_kernels
         codec.warm_up([config.codec])  # before joining: see codec.warm_up
+        publishing.warm_up()  # the broadcast's deltas, applied as they arrive
         # `tape` records what the hook takes from the network; `recover_fn` and `snapshots` are how a
         # replay (demo.replay) stands in for the peers.
         self.tape = tape
@@ -184,7 +190,7 @@ class DilocoSync:
         # calls they waited: applied once the push went out at an earlier call, so that the report
         # of the new version leaves after the push of the old one (the syncer books the push's
         # tokens in the window of the version it was computed from).
-        self._deferred: dict[int, tuple[session.UpdateInfo, int]] = {}
+        self._deferred: dict[int, tuple[list[session.UpdateInfo], int]] = {}
         self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
@@ -306,7 +312,7 @@ class DilocoSync:
             if self.tape is not None:
                 self.tape.init(self.calls, q, payload)
             client.init(q, payload)
-            fragments[q] = FragmentSync().received(0, values)
+            fragments[q] = FragmentSync().received(0, values, values)  # the syncer publishes version 0 as sent
         self.fragments = tuple(fragments)
         log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
 
@@ -475,30 +481,50 @@ class DilocoSync:
     def _tree(self) -> TreeFragments:
         return self._joined()[1]
 
-    def _apply(self, params: Any, q: int, update: session.UpdateInfo) -> Any:
-        if update.version <= self.fragments[q].version:
+    def _apply(self, params: Any, q: int, chain: list[session.UpdateInfo]) -> Any:
+        """The updates of fragment q that arrived, in order: each delta onto the published copy of
+        exactly its base version (else ignored: a whole copy follows, docs/protocol.md "Delta
+        broadcast"), a whole copy as it is. The newest version reached goes into the parameters once."""
+        frag = self.fragments[q]
+        version, published = frag.version, frag.published
+        for update in chain:
+            if update.whole:
+                if update.version < version or (update.version == version and published is not None):
+                    continue
+                published = _decode(update.encoded, self.parallel_kernels)
+                if update.version == version:
+                    # The version held came from a peer or a snapshot: its base stays (this learner's
+                    # outer gradient holds its own progress only); the published copy is the syncer's.
+                    frag = frag._replace(published=published)
+                    continue
+            else:
+                if published is None or update.base_version != version:
+                    continue
+                published = _apply_delta(published, update.encoded, self.parallel_kernels)
+            version = update.version
+        if version == frag.version:
+            self._set(q, frag)
             return params
         _, tree, _ = self._joined()
-        values = _decode(update.encoded, self.parallel_kernels)
-        params = tree.scatter(params, q, values, self.config.alpha)
-        self._set(q, self.fragments[q].received(update.version, values))
+        params = tree.scatter(params, q, published, self.config.alpha)
+        self._set(q, frag.received(version, published, published))
         self.merged_versions_applied += 1
         return params
 
-    def _apply_arrived(self, params: Any, updates: dict[int, session.UpdateInfo], sent: tuple[int, ...]) -> Any:
-        """Apply the newest arrived version of each fragment, except where a push of the fragment is
-        in flight or went out in this call: that one waits (`_deferred`), at most DEFER_CALLS_MAX
-        calls (with one fragment due every step, a push of it is always in flight)."""
+    def _apply_arrived(self, params: Any, updates: dict[int, list[session.UpdateInfo]], sent: tuple[int, ...]) -> Any:
+        """Apply the updates of each fragment that arrived, in order, except where a push of the
+        fragment is in flight or went out in this call: those wait (`_deferred`), at most
+        DEFER_CALLS_MAX calls (with one fragment due every step, a push of it is always in flight)."""
         arrived, self._deferred = self._deferred, {}
-        for q, update in updates.items():
-            if q not in arrived or update.version >= arrived[q][0].version:
-                arrived[q] = (update, arrived[q][1] if q in arrived else 0)
+        for q, chain in updates.items():
+            earlier, waited = arrived.get(q, ([], 0))
+            arrived[q] = (earlier + list(chain), waited)
         busy = set(sent) | {f.fragment for f in self._in_flight}
-        for q, (update, waited) in sorted(arrived.items()):
+        for q, (chain, waited) in sorted(arrived.items()):
             if q in busy and waited < DEFER_CALLS_MAX:
-                self._deferred[q] = (update, waited + 1)
+                self._deferred[q] = (chain, waited + 1)
             else:
-                params = self._apply(params, q, update)
+                params = self._apply(params, q, chain)
         return params
 
     def _send_in_flight(self) -> tuple[int, ...]:
@@ -590,6 +616,13 @@ def _encode_init(values: np.ndarray, parallel: bool) -> bytes:
 
 def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
     return encoded.decode(parallel=parallel)
+
+
+def _apply_delta(published: np.ndarray, delta: codec.Encoded, parallel: bool) -> np.ndarray:
+    """A new array: published + decode(delta), the bits the syncer's published copy has."""
+    out = published.copy()
+    publishing.apply(out, delta, parallel=parallel)
+    return out
 
 
 def _encode_delta(

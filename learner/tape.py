@@ -119,7 +119,12 @@ class LearnerTapeWriter(recording.RecordWriter):
             {
                 "type": "take",
                 "call": call,
-                "updates": [[q, u.version, self._value(u.encoded)] for q, u in sorted(updates.items())],
+                # [fragment, version, payload, base version] per update, in arrival order
+                "updates": [
+                    [q, u.version, self._value(u.encoded), u.base_version]
+                    for q, chain in sorted(updates.items())
+                    for u in chain
+                ],
                 "errors": [[e.code, e.text, e.fatal] for e in errors],
                 "welcomes": welcomes,
                 "welcome": _welcome_json(welcome) if new_welcome and welcome is not None else None,
@@ -176,7 +181,10 @@ class LearnerTape:
         """call -> what the hook took then, rebuilt with the session's types and stored payloads."""
         out = {}
         for r in self.of("take"):
-            updates = {q: session.UpdateInfo(q, v, self.encoded(ref["$payload"])) for q, v, ref in r["updates"]}
+            updates: dict[int, list[session.UpdateInfo]] = {}
+            for q, v, ref, *base in r["updates"]:  # a tape of protocol 1 has no base version: whole
+                info = session.UpdateInfo(q, v, self.encoded(ref["$payload"]), base[0] if base else -1)
+                updates.setdefault(q, []).append(info)
             errors = [session.ErrorInfo(*x) for x in r["errors"]]
             welcome = _welcome(r["welcome"]) if r["welcome"] else None
             out[r["call"]] = (updates, errors, (r["welcomes"], welcome))

@@ -17,10 +17,10 @@ from ddiloco.net import session
 
 __all__ = ["SnapshotOutbox", "Taken", "Transport"]
 
-# What one `take` hands over: the newest arrived version of each fragment, the syncer's errors, and
-# (welcomes seen so far, the newest welcome): a count that changed means a new session.
+# What one `take` hands over: the updates of each fragment in arrival order, the syncer's errors,
+# and (welcomes seen so far, the newest welcome): a count that changed means a new session.
 Taken: TypeAlias = tuple[
-    dict[int, session.UpdateInfo],
+    dict[int, list[session.UpdateInfo]],
     list[session.ErrorInfo],
     tuple[int, session.WelcomeInfo | None],
 ]

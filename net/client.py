@@ -2,8 +2,9 @@
 
 `SyncerClient` keeps one websocket to the syncer: it says hello, reconnects with capped exponential
 backoff when the connection drops (a syncer that restarts only means no merges for a while), and
-sorts what arrives into an inbox: the welcome, fragment updates (the newest version of each
-fragment wins) and errors. Outgoing control messages (progress) go before bulk
+sorts what arrives into an inbox: the welcome, fragment updates (every one of
+a fragment, in order: a delta applies onto the version before it; a whole copy supersedes what came
+before it) and errors. Outgoing control messages (progress) go before bulk
 frames (pushes), and every queue is bounded.
 
 `ThreadedClient` runs a `SyncerClient` on its own event loop in a background thread, so a training
@@ -40,6 +41,10 @@ log = logging.getLogger("ddiloco.client")
 PROGRESS_INTERVAL_S_MAX = 5.0  # beyond this the syncer's view of the step lags too far behind
 CLOSE_DRAIN_S_MAX = 30.0  # a learner that is stopping does not wait on a stuck syncer for longer
 CLOSE_GRACE_S = 1.0  # after the drain time, this long for the goodbye and the close handshake
+# Updates of one fragment waiting for the training loop. A delta chain cannot be cut short, so a loop
+# that falls this far behind drops the connection: the rejoin brings every fragment whole
+# (docs/protocol.md, "Delta broadcast").
+UPDATES_QUEUED_MAX = 64
 
 
 class SyncerRefused(UserError, RuntimeError):
@@ -50,6 +55,11 @@ class MalformedMessage(FaultError, ValueError):
     """A syncer message that frames correctly but does not make sense (a welcome whose layout or
     peer list does not parse, a payload of the wrong size): that connection is dropped and the
     client reconnects, as after any other fault of the connection."""
+
+
+class UpdatesBehind(FaultError, RuntimeError):
+    """The training loop left UPDATES_QUEUED_MAX updates of one fragment untaken: the connection is
+    dropped, and the rejoin brings every fragment whole."""
 
 
 class ClientConfigError(UserError, ValueError):
@@ -114,7 +124,7 @@ class Inbox:
     """What has arrived; read and emptied by the training loop."""
 
     welcome: session.WelcomeInfo | None = None
-    updates: dict[int, session.UpdateInfo] = field(default_factory=dict)  # fragment -> newest
+    updates: dict[int, list] = field(default_factory=dict)  # fragment -> its session.UpdateInfo, in order
     errors: deque = field(default_factory=lambda: deque(maxlen=64))
     connects: int = 0
     welcomes: int = 0  # how many welcomes so far: a new one means a rejoin or a request for init
@@ -148,6 +158,7 @@ class SyncerClient:
         self._rng = rng or random.Random(0)  # jitter of the backoff only
         self._lost_at: float | None = None  # on the loop's clock: when a welcomed connection was lost
         self.last_error: str | None = None
+        self._behind: int | None = None  # a fragment whose update chain overflowed (UpdatesBehind)
         self.bytes_out = 0
         self.pushes_dropped = 0  # pushes refused for a full queue (the next push of the fragment carries their tokens)
         # This learner's vector clock (docs/replay.md): ticked before every message sent, merged with
@@ -241,7 +252,7 @@ class SyncerClient:
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 delay = self._backoff(delay, welcomes, exc)
                 log.info("syncer connection failed (%s); retrying in about %.2f s", self.last_error, delay)
-            except (wire.WireError, MalformedMessage) as exc:  # the syncer's bytes, not the network
+            except (wire.WireError, MalformedMessage, UpdatesBehind) as exc:  # not the network
                 delay = self._backoff(delay, welcomes, exc)
                 log.warning("dropping the syncer connection: %s; retrying in about %.2f s", self.last_error, delay)
             self.connected.clear()
@@ -338,6 +349,12 @@ class SyncerClient:
                 except ValueError as exc:  # the session's checks, and orjson's on the welcome's JSON
                     raise MalformedMessage(f"the syncer sent a malformed {type(message).__name__}: {exc}") from exc
                 self._deliver(view)
+                if self._behind is not None:
+                    fragment, self._behind = self._behind, None
+                    raise UpdatesBehind(
+                        f"{UPDATES_QUEUED_MAX} updates of fragment {fragment} wait for the training loop: "
+                        "rejoining for whole copies"
+                    )
         if self._closing:
             return
         raise ConnectionError(f"closed by syncer (code {ws.close_code})")
@@ -375,9 +392,14 @@ class SyncerClient:
             self.welcomed.set()
             self.settled.set()
         elif isinstance(item, session.UpdateInfo):
-            current = self.inbox.updates.get(item.fragment)
-            if current is None or item.version >= current.version:
-                self.inbox.updates[item.fragment] = item
+            chain = self.inbox.updates.setdefault(item.fragment, [])
+            if item.whole:
+                chain.clear()  # what came before is superseded: the learner starts again from this copy
+            elif len(chain) >= UPDATES_QUEUED_MAX:
+                chain.clear()  # nothing after the gap applies: the reader drops the connection
+                self._behind = item.fragment
+                return
+            chain.append(item)
         elif isinstance(item, session.MarkerInfo):
             self.inbox.markers.append(item.snapshot)
         elif isinstance(item, session.ErrorInfo):
@@ -575,8 +597,8 @@ class ThreadedClient:
         return got
 
     def take(self) -> tuple[dict, list, tuple[int, session.WelcomeInfo | None]]:
-        """(updates by fragment, errors) that arrived since the last call, and (number of welcomes
-        so far, the latest welcome)."""
+        """(updates by fragment (each a list in arrival order), errors) that arrived since the last
+        call, and (number of welcomes so far, the latest welcome)."""
         self._check()
         if self._taken is not None and self._taken[0] == self._client.inbox.deliveries:
             # Nothing arrived since (most steps): no need to wait for the network thread to be

@@ -474,10 +474,11 @@ class _Honest:
         if self.rejoined() and self.client.inbox.welcome is not None:
             self._welcomed()
         box = self.client.inbox
-        for p, u in list(box.updates.items()):
-            self.updates_checked += 1
-            self.non_finite |= not u.encoded.all_finite()
-            self.versions[p] = u.version
+        for p, chain in list(box.updates.items()):
+            for u in chain:  # every update that arrived, whole copies and deltas alike
+                self.updates_checked += 1
+                self.non_finite |= not u.encoded.all_finite()
+                self.versions[p] = u.version
         box.updates.clear()
         self.step = max(self.step + 1, self.server.state.global_step + 1)
         if min(self.versions) >= 0:

@@ -93,7 +93,7 @@ class ErrorCode(enum.IntEnum):
 CodecName = Codec
 
 
-UPDATE_CODECS = frozenset({CodecName.FP32, CodecName.BF16})  # what a broadcast may use
+UPDATE_CODECS = frozenset({CodecName.FP32, CodecName.BF16, CodecName.INT4})  # what a broadcast may use
 
 
 class _Body:
@@ -242,7 +242,9 @@ class Init(_Body):
 
 @dataclass(frozen=True)
 class Update(_Body):
-    """Syncer -> learner, bulk: a new version of one fragment (broadcast)."""
+    """Syncer -> learner, bulk: a new version of one fragment (broadcast). Whole (fp32 or bf16 values,
+    `base_version` and `block` left out), or the delta onto the published copy of `base_version`
+    (docs/protocol.md, "Delta broadcast"): int4 in blocks of `block`, or bf16 / fp32 values."""
 
     KIND: ClassVar[Kind] = Kind.UPDATE
     fragment: int
@@ -251,13 +253,36 @@ class Update(_Body):
     element_count: int
     clock: dict[str, int]
     payload: memoryview = field(repr=False)  # bulk bytes; repr would print an address
+    # Optional (protocol 2; omitted for a whole fragment): the version the delta applies onto, and the
+    # values per scale of a block codec.
+    base_version: int | None = None
+    block: int = 0
 
     def _check(self) -> None:
         _require(
             self.codec in UPDATE_CODECS,
             f"Update.codec must be one of {sorted(UPDATE_CODECS)}, got {self.codec.value!r}",
         )
-        _check_dense_payload("Update", self.codec, self.element_count, self.payload)
+        if self.base_version is not None:
+            _require(
+                self.base_version < self.version,
+                f"Update.base_version {self.base_version} must be below version {self.version}",
+            )
+        if self.codec.is_block:
+            _require(self.base_version is not None, f"a whole Update cannot be {self.codec.value}")
+            _require(
+                self.block >= 2 and self.block % 2 == 0 and self.element_count % self.block == 0,
+                f"Update.block {self.block} must be even and divide element_count {self.element_count}",
+            )
+            want = self.codec.body_bytes(self.element_count, self.block)
+            _require(
+                len(self.payload) == want,
+                f"Update payload has {len(self.payload)} bytes; {self.codec.value} x {self.element_count}"
+                f" elements in blocks of {self.block} needs {want}",
+            )
+        else:
+            _require(self.block == 0, f"Update.block must be 0 for {self.codec.value}, got {self.block}")
+            _check_dense_payload("Update", self.codec, self.element_count, self.payload)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,11 @@ class UpdateInfo:
     fragment: int
     version: int
     encoded: codecs.Encoded  # views into the received buffer
+    base_version: int = -1  # the version a delta applies onto; -1: the published copy whole
+
+    @property
+    def whole(self) -> bool:
+        return self.base_version < 0
 
 
 @dataclass(frozen=True)
@@ -260,7 +265,8 @@ def client_view(m: msg.Message) -> object:
             m.fragment_offsets,
         )
     if isinstance(m, msg.Update):
-        return UpdateInfo(m.fragment, m.version, _encoded(m.codec.value, 0, m.element_count, m.payload))
+        base = -1 if m.base_version is None else m.base_version
+        return UpdateInfo(m.fragment, m.version, _encoded(m.codec.value, m.block, m.element_count, m.payload), base)
     if isinstance(m, msg.Error):
         return ErrorInfo(m.code.name.lower(), m.text, m.fatal)
     if isinstance(m, msg.Marker):
@@ -336,10 +342,24 @@ def update_frames(
     message_id: int,
     limits: wire.WireLimits,
     clock: dict[str, int] | None = None,
+    base_version: int = -1,
+    block: int = 0,
 ) -> list:
-    """The frames of one fragment update (values: float32 or bf16 bits, copied into the frames)."""
+    """The frames of one fragment update (values: float32 or bf16 bits, or an int4 codec body;
+    copied into the frames). base_version -1: the published copy whole."""
+    if block:  # a block codec's body: scales and codes, its size in elements from the block
+        elements = codecs.Codec(codec).elements_of_body(values.nbytes, block)
+    else:
+        elements = values.size
     m = msg.Update(
-        fragment=fragment, version=version, codec=codec, element_count=values.size, clock=clock or {}, payload=values
+        fragment=fragment,
+        version=version,
+        codec=codec,
+        element_count=elements,
+        clock=clock or {},
+        payload=values,
+        base_version=None if base_version < 0 else base_version,
+        block=block,
     )
     return wire.encode(m, message_id=message_id, limits=limits)
 

@@ -207,16 +207,36 @@ class Sessions:
         learner = effect.learner if isinstance(effect, SendWelcome) else None
         self.post(lambda: self._queue(conn, frames, bulk=False, learner=learner))
 
-    def send_update(self, conns: tuple[int, ...], fragment: int, codec: str, version: int, values: np.ndarray) -> None:
-        # One set of frames per version, shared by every connection; a queued older version of the
-        # fragment that has not started to go out is replaced by it (net.connection).
+    def send_update(
+        self,
+        conns: tuple[int, ...],
+        fragment: int,
+        codec: str,
+        version: int,
+        values: np.ndarray,
+        base_version: int = -1,
+        block: int = 0,
+    ) -> None:
+        # One set of frames per call, shared by every connection. A whole copy replaces a queued
+        # whole copy of the fragment that has not started to go out (net.connection); a delta is
+        # never replaced nor replaces (each one applies onto the one before it): a reader too slow
+        # for the chain fills its bulk queue, is dropped and gets whole copies when it rejoins.
         frames = session.update_frames(
-            fragment, version, codec, values, self.message_id(), self.config.wire, self.recorder.vclock.as_dict()
+            fragment,
+            version,
+            codec,
+            values,
+            self.message_id(),
+            self.config.wire,
+            self.recorder.vclock.as_dict(),
+            base_version=base_version,
+            block=block,
         )
+        key = fragment if base_version < 0 else None
 
         def queue() -> None:
             for conn in conns:
-                self._queue(conn, frames, bulk=True, key=fragment)
+                self._queue(conn, frames, bulk=True, key=key)
 
         self.post(queue)
 

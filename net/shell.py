@@ -11,7 +11,10 @@ what every syncer needs and no protocol change should have to repeat:
 - the timers (an `ArmTimer` becomes a wake-up; a wake-up after `reset` is ignored, so a restarted
   syncer never sees a timer of the process before it);
 - the Merged -> MergeCost feedback: after an event that merged, a MergeCost follows with what the
-  merge cost (measured by the daemon, modelled by the simulations).
+  merge cost (measured by the daemon, modelled by the simulations);
+- the delta broadcast's table `sent[conn][p]`, the version of fragment p last sent on a connection:
+  a connection that was sent the version a new one's delta applies onto gets the delta, any other
+  (joining, rejoining, after a restart) the published copy whole (docs/protocol.md, "Delta broadcast").
 
 No socket, no asyncio, no clock: `now` comes with each call. Nested calls (a link that reports a
 closed connection while effects are being carried out) are queued and handled after the current
@@ -58,9 +61,21 @@ class Link(Protocol):
     def send(self, conn: int, effect: Control) -> None:
         """Queue the message of a control effect on connection `conn`."""
 
-    def send_update(self, conns: tuple[int, ...], fragment: int, codec: str, version: int, values: np.ndarray) -> None:
-        """Send a fragment update to these connections. `values` is a view into the core state,
-        valid until the next core step: copy it (into frames) before returning."""
+    def send_update(
+        self,
+        conns: tuple[int, ...],
+        fragment: int,
+        codec: str,
+        version: int,
+        values: np.ndarray,
+        base_version: int = -1,
+        block: int = 0,
+    ) -> None:
+        """Send a fragment update to these connections: the published copy whole (base_version -1,
+        fp32 values) or the delta onto the published copy of `base_version` (its codec body, block
+        0 for fp32 and bf16). `values` is a view into the core state, valid until the next core
+        step: copy it (into frames) before returning. The updates of one connection must arrive in
+        the order they are sent, none left out (a delta is never replaced by a newer one)."""
 
     def close(self, conn: int, reason: str) -> None:
         """Close the connection; report it with `Shell.closed` once it is gone."""
@@ -110,6 +125,7 @@ class Shell:
         self.learner_of: dict[int, int] = {}  # connection -> the learner its welcome named
         self.conn_of: dict[int, int] = {}  # learner -> its connection
         self.open: set[int] = set()
+        self.sent: dict[int, dict[int, int]] = {}  # connection -> fragment -> version last sent on it
         self.core_s = 0.0  # time spent inside the core (with a stopwatch), for the bench and metrics
         self.steps = 0
         self._timers: dict[int, Event] = {}
@@ -129,6 +145,7 @@ class Shell:
     def closed(self, conn: int, reason: str, now: float) -> None:
         """The connection is gone: its learner (if the connection still speaks for it) disconnects."""
         self.open.discard(conn)
+        self.sent.pop(conn, None)
         learner = self.learner_of.pop(conn, None)
         if learner is not None and self.conn_of.get(learner) == conn:
             del self.conn_of[learner]
@@ -141,6 +158,7 @@ class Shell:
         self.learner_of.clear()
         self.conn_of.clear()
         self.open.clear()
+        self.sent.clear()
         self._timers.clear()
         self._queued.clear()
 
@@ -203,10 +221,7 @@ class Shell:
             if conn is not None:
                 self.link.send(conn, effect)
         elif isinstance(effect, SendUpdate):
-            conns = tuple(self.conn_of[lid] for lid in effect.learners if lid in self.conn_of)
-            if conns:
-                codec, version, values = core.update_values(self.state, effect.fragment)
-                self.link.send_update(conns, effect.fragment, codec, version, values)
+            self._send_update(effect)
         elif isinstance(effect, ArmTimer):
             self._wake(effect.at, TimerFired(effect.fragment, effect.round))
         elif isinstance(effect, Drop):  # by learner when it has one: its connection may be a newer one
@@ -220,6 +235,26 @@ class Shell:
         else:
             assert isinstance(effect, Log), f"an effect the shell does not know: {effect!r}"
             self.link.log(effect)
+
+    def _send_update(self, effect: SendUpdate) -> None:
+        """The delta to the connections last sent its base version, the published copy whole to the
+        others: encoded at most once each per effect, and only when some connection needs it (the
+        whole copy is a view of the published array: the link copies it into frames once for all)."""
+        p = effect.fragment
+        conns = tuple(self.conn_of[lid] for lid in effect.learners if lid in self.conn_of)
+        if not conns:
+            return
+        current = self.state.fragments[p].version
+        chained = effect.base_version >= 0 and effect.version == current
+        deltas = tuple(c for c in conns if chained and self.sent.get(c, {}).get(p) == effect.base_version)
+        wholes = tuple(c for c in conns if c not in deltas)
+        for group, whole in ((deltas, False), (wholes, True)):
+            if not group:
+                continue
+            codec, version, base_version, block, values = core.update_values(self.state, p, whole)
+            self.link.send_update(group, p, codec, version, values, base_version=base_version, block=block)
+            for c in group:
+                self.sent.setdefault(c, {})[p] = version
 
     def _conn(self, learner: int | None, conn: int | None) -> int | None:
         """The connection an effect names: by connection id before a learner id exists, else by learner."""

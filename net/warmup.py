@@ -23,6 +23,7 @@ import numpy as np
 from ddiloco import kernels
 from ddiloco.core import codec as codecs
 from ddiloco.core import merge, outer
+from ddiloco.core import publish as publishing
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import FragmentSpec, Layout
 
@@ -85,8 +86,9 @@ def _warm(
                 merged, _ = merge.merge_round(contributions, spec, config.merge)
                 theta = np.zeros(spec.padded_size, dtype=np.float32)
                 outer.update(outer.init(theta), theta, merged, config.outer, donate=True)
-        if config.broadcast_codec is codecs.Codec.BF16:
-            kernels.to_bf16(np.zeros(spec.padded_size, dtype=np.float32))
+        # the broadcast: one delta published (core.publish), as after every merge
+        published = np.zeros(spec.padded_size, dtype=np.float32)
+        publishing.publish(published, np.ones_like(published), config.broadcast_codec, config.block)
 
 
 def _payload(codec: codecs.Codec, n: int, block: int) -> codecs.Encoded:

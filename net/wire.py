@@ -48,7 +48,7 @@ from ddiloco.net.messages import (
 )
 
 MAGIC = b"DDLC"
-PROTOCOL_VERSION = 2  # the syncer's protocol (core.syncer.PROTOCOL_VERSION), carried by every frame
+PROTOCOL_VERSION = 2  # 2: learner-driven pushes and the delta broadcast (docs/protocol.md, "Version 2")
 SUPPORTED_VERSIONS = (2,)  # versions this implementation decodes
 # magic, version, kind, flags, message id, chunk index, chunk count, chunk offset,
 # payload bytes, meta bytes, crc32; little-endian, no padding

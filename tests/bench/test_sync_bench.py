@@ -25,6 +25,7 @@ KEYS = {
     "learner_versions",
     "same_params",
     "rejected",
+    "bytes_out_per_byte_in",
 }
 
 
@@ -38,8 +39,10 @@ def _check_ddiloco_side(r: dict, learners: int, syncs: int) -> None:
     # every learner pushed its int4 outer gradient (about an eighth of the fp32 model, plus scales) ...
     assert r["push_bytes"] < r["fp32_model_bytes"] / 4
     assert r["bytes_in_per_sync"] >= learners * r["push_bytes"]
-    # ... and received the new version in fp32 (the broadcast codec)
-    assert r["bytes_out_per_sync"] >= learners * r["fp32_model_bytes"]
+    # ... and received the new version as an int4 delta (the default broadcast codec): about as many
+    # bytes out as in, never a whole fp32 copy per learner
+    assert learners * r["push_bytes"] <= r["bytes_out_per_sync"] < learners * r["fp32_model_bytes"] / 4
+    assert r["bytes_out_per_byte_in"] == pytest.approx(r["bytes_out_per_sync"] / r["bytes_in_per_sync"], rel=0.5)
     # the initial version 0, then one version per sync, the same values at every learner
     assert r["learner_versions"] == [syncs] * learners
     assert r["same_params"] is True

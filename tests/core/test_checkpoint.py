@@ -75,6 +75,9 @@ def test_truncated_and_foreign_files():
 
 
 FORMAT1 = Path(__file__).parent / "golden_checkpoints" / "format1.ddck"  # some_state() in the format before safetensors
+# some_state() in format 2 (safetensors, no published copies; broadcast_codec fp32), as the release
+# before the delta broadcast wrote it
+FORMAT2 = Path(__file__).parent / "golden_checkpoints" / "format2.safetensors"
 
 
 def test_the_file_is_plain_safetensors_that_standard_tools_open(tmp_path):
@@ -83,7 +86,7 @@ def test_the_file_is_plain_safetensors_that_standard_tools_open(tmp_path):
     path.write_bytes(as_bytes(state))
     with safetensors.safe_open(path, framework="numpy") as f:
         meta = f.metadata()
-        assert sorted(f.keys()) == sorted(f"{k}/{p}" for k in ("theta", "momentum") for p in range(3))
+        assert sorted(f.keys()) == sorted(f"{k}/{p}" for k in ("theta", "momentum", "published") for p in range(3))
         assert np.array_equal(f.get_tensor("momentum/2"), state.fragments[2].momentum.buf)
     assert meta["format"] == checkpoint.CONTAINER and meta["version"] == str(checkpoint.FORMAT)
     manifest = orjson.loads(meta["manifest"])
@@ -100,8 +103,8 @@ def test_a_foreign_safetensors_file_or_another_version_is_refused_by_name():
     foreign = safetensors.numpy.save({"w": np.zeros(4, np.float32)}, {"format": "pt"})
     with pytest.raises(CheckpointError, match="without format 'ddiloco-syncer-checkpoint'"):
         checkpoint.restore(foreign)
-    data = as_bytes(some_state()).replace(b'"version":"2"', b'"version":"9"')
-    with pytest.raises(CheckpointError, match="format '9'; this version reads formats 2 and 1"):
+    data = as_bytes(some_state()).replace(b'"version":"3"', b'"version":"9"')
+    with pytest.raises(CheckpointError, match="format '9'; this version reads formats 3, 2 and 1"):
         checkpoint.restore(data)
 
 
@@ -125,3 +128,29 @@ def test_format_1_is_still_read():
 def test_empty_syncer_cannot_be_checkpointed():
     with pytest.raises(CheckpointError, match="holds no parameters"):
         checkpoint.to_chunks(syncer.new_state(SyncerConfig()))
+
+
+def test_format_2_is_still_read_with_published_copies_of_theta():
+    back = checkpoint.restore(FORMAT2.read_bytes())
+    state = some_state()
+    for frag, want in zip(back.fragments, state.fragments):
+        assert np.array_equal(frag.theta, want.theta) and np.array_equal(frag.published, want.theta)
+        assert frag.published is not frag.theta and frag.published.flags.writeable
+    assert syncer.state_hash(back) == syncer.state_hash(state)  # some_state publishes theta as it is
+
+
+def test_the_published_copy_round_trips_and_is_checked():
+    state = some_state()
+    rng = np.random.default_rng(7)
+    for frag in state.fragments:
+        frag.published[:] += rng.standard_normal(frag.published.size).astype(np.float32) * 1e-3
+    back = checkpoint.restore(as_bytes(state))
+    for frag, want in zip(back.fragments, state.fragments):
+        assert frag.published.tobytes() == want.published.tobytes()
+    assert syncer.state_hash(back) == syncer.state_hash(state)
+    state.fragments[1].published[5] = np.nan
+    with pytest.raises(CheckpointError, match="fragment 1's published copy has NaN or Inf values"):
+        checkpoint.restore(as_bytes(state))
+    state.fragments[1].published = np.zeros(8, np.float32)
+    with pytest.raises(CheckpointError, match="fragment 1's published copy is float32 \\(8,\\)"):
+        checkpoint.restore(as_bytes(state))

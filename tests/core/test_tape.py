@@ -89,6 +89,7 @@ def test_only_merges_make_check_records_and_they_hash_the_new_values():
         "fragment": 1,
         "version": state.fragments[1].version,
         "sha256": hashlib.sha256(state.fragments[1].theta.tobytes()).hexdigest(),
-    }
+        "published": hashlib.sha256(state.fragments[1].published.tobytes()).hexdigest(),
+    }  # no delta: this state never merged (a real merge's record names its delta's hash too)
     with pytest.raises(tapes.TapeError, match="non-finite"):
         tapes.encode_value(float("nan"), MemoryStore())

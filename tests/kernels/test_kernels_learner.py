@@ -87,3 +87,41 @@ def test_bad_learner_calls():
         kernels.apply_delta_int4(x, x, codes, scales)
     with pytest.raises(kernels.KernelInputError, match="scales must have 2"):
         kernels.apply_delta_int4(x, x.copy(), codes, scales[:1])
+
+
+@SETTINGS
+@given(fragments(), st.booleans())
+def test_publish_delta_is_the_numpy_expressions_and_a_learner_reconstructs_its_bits(case, parallel):
+    published, theta, _, block = case
+    theta_before = theta.copy()
+    mine, ref = published.copy(), published.copy()
+    codes, scales = kernels.publish_delta_int4(mine, theta, block, parallel=parallel)
+    ref_codes, ref_scales = reference.publish_delta_int4(ref, theta, block)
+    np.testing.assert_array_equal(codes, ref_codes)
+    np.testing.assert_array_equal(scales, ref_scales)
+    np.testing.assert_array_equal(mine.view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(theta, theta_before)
+    # a learner holding the old published copy adds the decoded delta and holds the same bits
+    learner, learner_ref = published.copy(), published.copy()
+    kernels.add_delta_int4(learner, codes, scales, block, parallel=not parallel)
+    reference.add_delta_int4(learner_ref, codes, scales, block)
+    np.testing.assert_array_equal(learner.view(np.uint32), mine.view(np.uint32))
+    np.testing.assert_array_equal(learner_ref.view(np.uint32), mine.view(np.uint32))
+    # published is now within half a quantisation step of theta, block by block
+    step = np.repeat(scales, block)
+    assert (np.abs(theta - mine) <= 0.5 * step * (1 + 1e-5) + 1e-30 + np.abs(theta) * 1e-6).all()
+
+
+def test_publish_delta_refuses_bad_calls():
+    x = np.ones(256, dtype=np.float32)
+    with pytest.raises(kernels.KernelInputError):
+        kernels.publish_delta_int4(x, x)  # the same memory
+    with pytest.raises(kernels.KernelInputError):
+        kernels.publish_delta_int4(x.copy(), x[:128])
+    theta = x.copy()
+    theta[3] = np.inf
+    with pytest.raises(kernels.KernelInputError, match="NaN or Inf values in 1 of"):
+        kernels.publish_delta_int4(x.copy(), theta)
+    codes, scales = kernels.quantize_int4(x)
+    with pytest.raises(kernels.KernelInputError):
+        kernels.add_delta_int4(x[:128].copy(), codes, scales)

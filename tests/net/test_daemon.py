@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 
 import aiohttp
 import aiohttp.web
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from ddiloco.core import codec, syncer
+from ddiloco.core.checksum import crc32
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
@@ -97,8 +99,8 @@ class Learner:
 
     def absorb(self):
         box = self.client.inbox
-        for p, u in list(box.updates.items()):
-            self.versions[p] = u.version
+        for p, chain in list(box.updates.items()):
+            self.versions[p] = chain[-1].version
         box.updates.clear()
 
     def tick(self, tokens=64):
@@ -497,6 +499,26 @@ def _welcome(layout_json: str) -> msg.Welcome:
         needs_init=False,
         layout_json=layout_json,
     )
+
+
+async def test_a_learner_of_protocol_1_is_refused_with_both_versions_named(tmp_path):
+    s = Syncer(tmp_path)
+    await s.start()
+    before = syncer.state_hash(s.server.state)
+    http, ws = await raw_socket(s)
+    (frame,) = session.hello_frames("old", TENSORS, 1, SMALL)
+    old = bytearray(frame)
+    old[4] = 1  # the header's version byte: a learner of the release before the delta broadcast
+    crc = crc32(bytes(old[wire.HEADER_BYTES :]), crc32(bytes(old[: wire.CRC_OFFSET])))
+    struct.pack_into("<I", old, wire.CRC_OFFSET, crc)  # an intact frame, as that release sealed it
+    await ws.send_bytes(bytes(old))
+    err = await next_error(ws)
+    assert err.code == msg.ErrorCode.PROTOCOL_VERSION
+    assert "protocol version 1 is not understood" in err.text and "[2]" in err.text
+    await ws.close()
+    await http.close()
+    assert syncer.state_hash(s.server.state) == before and not s.server.state.learners
+    await s.server.stop()
 
 
 async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():

@@ -97,8 +97,8 @@ class Daemon:
         while state.merges <= before:
             assert loop.time() < deadline, "no merge after the hostile message"
             box = self.client.inbox
-            for p, u in list(box.updates.items()):
-                self.versions[p] = u.version
+            for p, chain in list(box.updates.items()):
+                self.versions[p] = chain[-1].version
             box.updates.clear()
             self.step += 1
             n = len(self.sizes)

@@ -54,8 +54,8 @@ class Learner:
 
     def tick(self):
         box = self.client.inbox
-        for p, u in list(box.updates.items()):
-            self.versions[p] = u.version
+        for p, chain in list(box.updates.items()):
+            self.versions[p] = chain[-1].version
         box.updates.clear()
         self.step += 1
         n = len(self.sizes)

@@ -72,7 +72,7 @@ async def test_hellos_progress_and_merges_go_ahead_of_the_warmup_and_its_loading
             merges = server.state.merges
             while True:  # progress makes it live and opens rounds
                 step += 1
-                versions = tuple(u.version for _, u in sorted(client.inbox.updates.items()))
+                versions = tuple(chain[-1].version for _, chain in sorted(client.inbox.updates.items()))
                 client.queue_progress(session.ProgressInfo(step, versions, (1, 1), (64, 64)))
                 await until(lambda at=step: server.state.global_step == at, "the global step")
                 opened = [p for p, f in enumerate(server.state.fragments) if f.open is not None]

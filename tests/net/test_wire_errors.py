@@ -24,7 +24,7 @@ from ddiloco.net.messages import (
     Update,
     Welcome,
 )
-from ddiloco.net.wire import Reassembler, WireError, WireLimits, encode
+from ddiloco.net.wire import PROTOCOL_VERSION, Reassembler, WireError, WireLimits, encode
 
 LIMITS = WireLimits(frame_bytes_max=48 + 512, control_bytes_max=512, message_bytes_max=1 << 16)
 AIOHTTP_MAX_MSG_SIZE = 4 * 1024 * 1024  # aiohttp's default, which rejects a message of this size
@@ -49,7 +49,7 @@ def _sealed(
     offset: int = 0,
     payload_bytes: int = 0,
     meta_bytes: int | None = None,
-    version: int = 2,
+    version: int = PROTOCOL_VERSION,
 ) -> bytes:
     """A frame written from the layout in docs/protocol.md, with a correct checksum."""
     meta_bytes = len(data) - payload_bytes if meta_bytes is None else meta_bytes
@@ -230,8 +230,49 @@ def test_encode_refuses_messages_over_the_limits() -> None:
             "Push.codec",
         ),
         (
-            lambda: Update(fragment=0, version=1, codec=CodecName.INT4, element_count=2, clock={}, payload=b"\0"),
+            lambda: Update(fragment=0, version=1, codec=CodecName.INT2, element_count=2, clock={}, payload=b"\0"),
             "Update.codec",
+        ),
+        (
+            lambda: Update(fragment=0, version=1, codec=CodecName.INT4, element_count=2, clock={}, payload=b"\0"),
+            "a whole Update cannot be int4",
+        ),
+        (
+            lambda: Update(
+                fragment=0, version=1, codec=CodecName.INT4, element_count=4, clock={}, payload=b"\0", base_version=0
+            ),
+            "Update.block 0 must be even",
+        ),
+        (
+            lambda: Update(
+                fragment=0,
+                version=1,
+                codec=CodecName.INT4,
+                element_count=4,
+                clock={},
+                payload=b"\0" * 5,
+                base_version=0,
+                block=4,
+            ),
+            "Update payload has 5 bytes; int4 x 4 elements in blocks of 4 needs 6",
+        ),
+        (
+            lambda: Update(
+                fragment=0, version=2, codec=CodecName.FP32, element_count=1, clock={}, payload=b"\0" * 4, block=2
+            ),
+            "Update.block must be 0 for fp32",
+        ),
+        (
+            lambda: Update(
+                fragment=0,
+                version=2,
+                codec=CodecName.FP32,
+                element_count=1,
+                clock={},
+                payload=b"\0" * 4,
+                base_version=2,
+            ),
+            "Update.base_version 2 must be below version 2",
         ),
         (lambda: Init(fragment=0, element_count=2, clock={}, payload=np.zeros(4)[::2]), "Init.payload"),
         (lambda: Init(fragment=0, element_count=2, clock={}, payload=[0.0, 1.0]), "Init.payload"),

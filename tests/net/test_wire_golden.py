@@ -157,6 +157,22 @@ CASES = {
         10,
         WireLimits(),
     ),
+    # protocol 2: the int4 delta of version 6 onto the published copy of version 5 (8 elements in
+    # blocks of 4: two float32 scales, then four bytes of codes)
+    "update_delta_int4": (
+        Update(
+            fragment=1,
+            version=6,
+            codec=CodecName.INT4,
+            element_count=8,
+            clock=CLOCK,
+            payload=np.array([0.5, 0.25], dtype="<f4").tobytes() + _codes(4),
+            base_version=5,
+            block=4,
+        ),
+        13,
+        WireLimits(),
+    ),
     "error": (Error(code=ErrorCode.STALE, text="fragment 2: base version 3, current 4", fatal=False), 11, WireLimits()),
     "bye": (Bye(reason="training finished"), 12, WireLimits()),
 }

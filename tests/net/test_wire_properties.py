@@ -28,7 +28,7 @@ from ddiloco.net.messages import (
     Welcome,
     message_meta,
 )
-from ddiloco.net.wire import Reassembler, WireError, WireLimits, encode
+from ddiloco.net.wire import PROTOCOL_VERSION, Reassembler, WireError, WireLimits, encode
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CONTROL_BYTES = 512
@@ -109,16 +109,26 @@ def inits(draw: st.DrawFn) -> Init:
 
 @st.composite
 def updates(draw: st.DrawFn) -> Update:
-    codec = draw(st.sampled_from([CodecName.FP32, CodecName.BF16]))
-    count = draw(st.integers(0, 1000))
-    size = count * codec.dense_bytes
+    codec = draw(st.sampled_from([CodecName.FP32, CodecName.BF16, CodecName.INT4]))
+    version = draw(st.integers(1, 2**53 - 1))
+    if codec is CodecName.INT4:  # a delta: int4 blocks onto an older version
+        block = draw(st.sampled_from([2, 8, 128]))
+        count = block * draw(st.integers(0, 8))
+        size = codec.body_bytes(count, block)
+        base, block = draw(st.integers(0, version - 1)), block
+    else:  # a whole copy, or a dense delta
+        count = draw(st.integers(0, 1000))
+        size = count * codec.dense_bytes
+        base, block = draw(st.one_of(st.none(), st.integers(0, version - 1))), 0
     return Update(
         fragment=draw(small_counts),
-        version=draw(counts),
+        version=version,
         codec=codec,
         element_count=count,
         clock=draw(clocks),
         payload=draw(st.binary(min_size=size, max_size=size)),
+        base_version=base,
+        block=block,
     )
 
 
@@ -260,7 +270,9 @@ def _sealed(
     data: bytes,
     flags: int = 0,
 ) -> bytes:
-    head = DOC_HEADER.pack(b"DDLC", 2, kind, flags, message_id, index, count, offset, payload_bytes, meta_bytes, 0)[:44]
+    head = DOC_HEADER.pack(
+        b"DDLC", PROTOCOL_VERSION, kind, flags, message_id, index, count, offset, payload_bytes, meta_bytes, 0
+    )[:44]
     return head + struct.pack("<I", zlib.crc32(data, zlib.crc32(head))) + data
 
 
