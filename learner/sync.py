@@ -121,6 +121,14 @@ class FragmentSync(NamedTuple):
 
 # The most calls an arrived version waits behind a push of its fragment (`DilocoSync._apply_arrived`).
 DEFER_CALLS_MAX = 2
+# The most due steps of a fragment skipped while this learner's last push of it, from the version it
+# still holds, awaits its merged version (`DilocoSync._outstanding`). A second push from the same
+# base would carry the first one's progress again: merged twice if the first was merged already. The
+# wait ends when a newer version is held, on a rejoin and on any error from the syncer (a refused
+# push); past this many due steps the first is taken for lost and the learner pushes again (if the
+# first still waits in its round, the newer replaces it there). Generous: a learner stepping in 1 ms
+# with 4 fragments due every 4 steps meets its due steps faster than a loaded syncer's round trip.
+PUSH_SKIPS_MAX = 16
 
 
 def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
@@ -192,6 +200,10 @@ class DilocoSync:
         # tokens in the window of the version it was computed from).
         self._deferred: dict[int, tuple[list[session.UpdateInfo], int]] = {}
         self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
+        # fragment -> (base version of this learner's last push of it, due steps skipped since):
+        # void once a newer version is held (PUSH_SKIPS_MAX)
+        self._outstanding: dict[int, tuple[int, int]] = {}
+        self.pushes_held = 0  # due steps skipped behind an outstanding push; their tokens go with the next push
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -322,7 +334,7 @@ class DilocoSync:
         initial parameters died and this one is asked instead."""
         self._learner_id = welcome.learner
         self.fragments = (FragmentSync(),) * len(self.fragments)
-        self._in_flight, self._deferred = [], {}  # of the old session
+        self._in_flight, self._deferred, self._outstanding = [], {}, {}  # of the old session
         self._schedule(welcome)
         if welcome.needs_init:
             self._send_init(params)
@@ -449,12 +461,16 @@ class DilocoSync:
             due = ()  # the schedule was of the old session
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
+        if errors:
+            self._outstanding.clear()  # a refused push comes back as no version: push again when due
         # Pushes started at an earlier call first: against the versions held then (a push of base v
         # that arrives after version v+1 was merged still counts, discounted: it is not overwritten).
         sent = self._send_in_flight() if self._in_flight else ()
         # Due fragments are copied before arrived versions overwrite them: the push keeps the
         # progress made since the version held.
         for q in due:
+            if self._hold_back(q):
+                continue
             self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
@@ -527,6 +543,16 @@ class DilocoSync:
                 params = self._apply(params, q, chain)
         return params
 
+    def _hold_back(self, q: int) -> bool:
+        """Whether fragment q's due step is skipped: this learner's last push of q, from the version
+        it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
+        base, skips = self._outstanding.get(q, (-1, PUSH_SKIPS_MAX))
+        if base != self.fragments[q].version or skips >= PUSH_SKIPS_MAX:
+            return False
+        self._outstanding[q] = (base, skips + 1)
+        self.pushes_held += 1
+        return True
+
     def _send_in_flight(self) -> tuple[int, ...]:
         """Encode and send the pushes whose host copies earlier calls started, in the order started;
         the fragments pushed."""
@@ -558,6 +584,7 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.push(self.calls, push)
         client.push(push)
+        self._outstanding[q] = (frag.version, 0)
 
     def _set(self, q: int, frag: FragmentSync) -> None:
         self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1 :]
