@@ -201,6 +201,16 @@ def _copy_golden(tmp_path):
     return target
 
 
+def _rewritten(tmp_path, directory, records):
+    out = tmp_path / "rewritten" / tapes.TAPE_FILE
+    out.parent.mkdir(parents=True)
+    shutil.copytree(directory / tapes.PAYLOAD_DIR, out.parent / tapes.PAYLOAD_DIR)
+    with open(out, "wb") as fh:
+        fh.write(tapes.preamble(tapes.MAGIC))
+        fh.writelines(tapes.framed(r) for r in records)
+    return recording.read(out.parent)
+
+
 def test_a_tampered_payload_is_a_divergence_naming_the_event(tmp_path):
     directory = _copy_golden(tmp_path)
     tape = recording.read(directory)
@@ -225,13 +235,7 @@ def test_an_edited_push_diverges_at_a_later_merge_or_the_end(tmp_path):
     records = [tape.header] + tape.records + [tape.close]
     pushed = next(r for r in tape.events if r["kind"] == "Push" and r is not first_push)
     pushed["fields"]["tokens"] += 1000  # more weight: different merged values
-    out = tmp_path / "edited" / tapes.TAPE_FILE
-    out.parent.mkdir()
-    shutil.copytree(directory / tapes.PAYLOAD_DIR, out.parent / tapes.PAYLOAD_DIR)
-    with open(out, "wb") as fh:
-        fh.write(tapes.preamble(tapes.MAGIC))
-        fh.writelines(tapes.framed(r) for r in records)
-    result = replay.replay(recording.read(out.parent))
+    result = replay.replay(_rewritten(tmp_path, directory, records))
     assert not result.ok
     assert result.divergence.index >= pushed["i"]
     assert "expected" in str(result.divergence)
@@ -253,6 +257,25 @@ def test_a_run_cut_short_replays_what_was_recorded(tmp_path):
     result = replay.replay(recording.read(directory))
     assert result.ok, result.divergence
     assert result.torn and not result.final_checked and result.merges_checked > 0
+
+
+def test_a_run_killed_between_an_event_and_its_checks_replays_and_a_clean_one_does_not(tmp_path):
+    # A syncer killed after it wrote an event that merged and before it wrote the merge's check:
+    # whole records, no close record. The missing check is what the kill lost, not a divergence.
+    directory = _copy_golden(tmp_path)
+    tape = recording.read(directory)
+    last_check = max(i for i, r in enumerate(tape.records) if r["type"] == "check")
+    first_of_event = last_check
+    while tape.records[first_of_event - 1]["type"] == "check":
+        first_of_event -= 1
+    records = [tape.header] + tape.records[:first_of_event]
+    result = replay.replay(_rewritten(tmp_path, directory, records))
+    assert result.ok, result.divergence
+    assert not result.torn and not result.final_checked
+    # The same tape with a close record claims a clean end: the merge without its check diverges.
+    closed = dict(tape.close, events=sum(1 for r in records[1:] if r["type"] != "check"))
+    result = replay.replay(_rewritten(tmp_path / "closed", directory, records + [closed]))
+    assert not result.ok and result.divergence.expected == "no merge"
 
 
 def test_a_run_resumed_from_a_checkpoint_replays_from_it(tmp_path):
