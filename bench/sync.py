@@ -168,9 +168,8 @@ class _Held:
             if u.whole:
                 self.base = u.encoded.decode(parallel=False)
             else:
-                base = self.base.copy()
-                publish.apply(base, u.encoded, parallel=False)
-                self.base = base
+                # In place: nothing else holds this copy (the parameters are an array of their own).
+                publish.apply(self.base, u.encoded, parallel=False)
             self.version = u.version
 
 

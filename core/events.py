@@ -42,6 +42,9 @@ class Progress:
     versions: tuple[int, ...]  # per fragment: the version it holds (-1: none yet)
     steps: tuple[int, ...]  # per fragment: inner steps since it received that version
     tokens: tuple[int, ...]  # per fragment: tokens since it received that version
+    # per fragment: of `tokens`, those trained under the version before and carried over the merge
+    # (the learner kept that progress: docs/algorithm.md "Progress carried over a merge"); () none
+    carried: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

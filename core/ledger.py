@@ -12,8 +12,9 @@ received fragment p). A window's tokens end as:
 - stale: protocol 1 only (a push against an old version was refused); stays 0 since protocol 2,
   kept so that older checkpoints and dashboards still read,
 - rejected: in a push refused for bad content (wrong size, NaN...),
-- lost: never pushed (trained after the push and then overwritten by the merged fragment, or the
-  learner died before it could push), in a push too stale to merge (more than STALENESS_MAX
+- lost: never pushed (trained after the push and then overwritten by the merged fragment, unless
+  the learner carried that progress over the merge and says so (`report(carried=)`): those tokens
+  move into its next window; or the learner died before it could push), in a push too stale to merge (more than STALENESS_MAX
   versions behind), or in a waiting push replaced by the learner's next one computed from a newer
   base (the older one's progress was overwritten on the learner). A push delivered before its
   learner died is decided with its round like any other.
@@ -51,13 +52,17 @@ class Ledger:
     # (a newer push of the same learner and fragment replaces the older one, core.syncer).
     held: dict[tuple[int, int], int] = field(default_factory=dict)
 
-    def report(self, learner: int, fragment: int, tokens: int, *, reset: bool) -> None:
+    def report(self, learner: int, fragment: int, tokens: int, *, reset: bool, carried: int = 0) -> None:
         """The learner's window counter for `fragment` is now `tokens`; `reset` when the learner says
-        it received a newer version since its last report (the previous window closed first)."""
+        it received a newer version since its last report (the previous window closed first). Of
+        `tokens`, `carried` were trained under the previous version and kept over the merge: at a
+        reset, that many of the closing window's unfated tokens move into the new window instead of
+        being lost (at most as many as it has: reported once, fated once)."""
         key = (learner, fragment)
         window = self.windows.setdefault(key, _Window())
         if reset:
-            self._close(window)
+            moved = min(carried, window.tokens - window.fated)
+            self._close(window, moved)
             window = self.windows[key] = _Window()
         # A counter never shrinks inside a window; a smaller value would be a learner bug, and
         # counting it would unbalance the books, so the larger of the two is kept.
@@ -99,9 +104,10 @@ class Ledger:
         for key in [k for k in self.windows if k[0] == learner]:
             self._close(self.windows.pop(key))
 
-    def _close(self, window: _Window) -> None:
-        self.totals["lost"] += window.tokens - window.fated
-        self.closed += window.tokens
+    def _close(self, window: _Window, moved: int = 0) -> None:
+        """Close `window`; `moved` of its unfated tokens go on in the next window (reported there)."""
+        self.totals["lost"] += window.tokens - window.fated - moved
+        self.closed += window.tokens - moved
 
     @property
     def open(self) -> int:

@@ -380,6 +380,15 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
             out,
         )
         return
+    carried = ev.carried or (0,) * num
+    if len(carried) != num or any(not 0 <= c <= t for c, t in zip(carried, ev.tokens)):
+        _reject(
+            state,
+            ev.learner,
+            Rejection("bad_counters", f"carried tokens must be {num} values, each in [0, the fragment's tokens]"),
+            out,
+        )
+        return
     if ev.step < rec.step:
         # An older report overtaken by a newer one (delivered twice or out of order): its versions
         # and counters are out of date, and taking them would move the ledger's windows back.
@@ -399,7 +408,7 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
     rec.step = ev.step
     for p in range(num):
         reset = ev.versions[p] != rec.versions[p]
-        state.ledger.report(rec.id, p, ev.tokens[p], reset=reset)
+        state.ledger.report(rec.id, p, ev.tokens[p], reset=reset, carried=carried[p])
     rec.versions, rec.steps, rec.tokens = list(ev.versions), list(ev.steps), list(ev.tokens)
     if rec.status is LearnerStatus.RECOVERING and all(v >= 0 for v in rec.versions) and state.holds_parameters:
         rec.status = LearnerStatus.LIVE

@@ -72,6 +72,9 @@ class SyncConfig:
     ca_file: Path | None = None  # wss://: the CA certificate(s) the syncer's certificate must chain to (net.tls)
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
+    # With alpha 0, keep what this learner trained since its last push over an arriving version
+    # (ours; docs/algorithm.md "Progress carried over a merge"); False: overwrite, as the paper.
+    keep_progress: bool = True
     # Error feedback (ours, core.codec): what compression lost from an outer gradient is added to the
     # next one of the same fragment; reset when the learner rejoins.
     error_feedback: bool = False
@@ -109,6 +112,8 @@ class FragmentSync(NamedTuple):
     # applies onto. None when the version held came from elsewhere (a peer, a snapshot) and no whole
     # copy of it has arrived: deltas are then ignored until one does. Never changed in place.
     published: np.ndarray | None = None
+    # Of `tokens`, those trained under the version before and carried over its merge (`_apply`).
+    carried: int = 0
 
     def counted(self, tokens: int) -> FragmentSync:
         """One more inner step of `tokens` tokens."""
@@ -116,7 +121,7 @@ class FragmentSync(NamedTuple):
 
     def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
         """A version arrived and was applied: it is the new base, and the counters start again."""
-        return self._replace(version=version, base=values, steps=0, tokens=0, published=published)
+        return self._replace(version=version, base=values, steps=0, tokens=0, published=published, carried=0)
 
 
 # The most calls an arrived version waits behind a push of its fragment (`DilocoSync._apply_arrived`).
@@ -137,6 +142,17 @@ def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int,
     for q, t in enumerate(offsets):
         due[t] = due.get(t, ()) + (q,)
     return due
+
+
+class _Outstanding(NamedTuple):
+    """This learner's last push of a fragment: its base version, the due steps skipped since
+    (PUSH_SKIPS_MAX), and what it pushed: the host copy of the parameters and the counters then."""
+
+    base: int
+    skips: int
+    theta: np.ndarray
+    steps: int
+    tokens: int
 
 
 class _InFlight(NamedTuple):
@@ -200,9 +216,8 @@ class DilocoSync:
         # tokens in the window of the version it was computed from).
         self._deferred: dict[int, tuple[list[session.UpdateInfo], int]] = {}
         self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
-        # fragment -> (base version of this learner's last push of it, due steps skipped since):
-        # void once a newer version is held (PUSH_SKIPS_MAX)
-        self._outstanding: dict[int, tuple[int, int]] = {}
+        # fragment -> this learner's last push of it; void once a newer version is held
+        self._outstanding: dict[int, _Outstanding] = {}
         self.pushes_held = 0  # due steps skipped behind an outstanding push; their tokens go with the next push
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
@@ -478,7 +493,13 @@ class DilocoSync:
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live).
             client.progress(
-                session.ProgressInfo(self.step_count, tuple(self.versions), tuple(self.steps), tuple(self.tokens))
+                session.ProgressInfo(
+                    self.step_count,
+                    tuple(self.versions),
+                    tuple(self.steps),
+                    tuple(self.tokens),
+                    tuple(f.carried for f in self.fragments),
+                )
             )
         for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
@@ -522,8 +543,17 @@ class DilocoSync:
             self._set(q, frag)
             return params
         _, tree, _ = self._joined()
-        params = tree.scatter(params, q, published, self.config.alpha)
-        self._set(q, frag.received(version, published, published))
+        kept = self._kept_progress(q, frag)
+        if kept is None:
+            params = tree.scatter(params, q, published, self.config.alpha)
+            self._set(q, frag.received(version, published, published))
+        else:
+            # The new version plus what this learner trained since its last push (or since the version
+            # it held, when none is outstanding): published + (theta - anchor), added on the devices.
+            anchor, steps, tokens = kept
+            params = tree.add(params, q, published - anchor)
+            received = frag.received(version, published, published)
+            self._set(q, received._replace(steps=steps, tokens=tokens, carried=tokens))
         self.merged_versions_applied += 1
         return params
 
@@ -543,13 +573,25 @@ class DilocoSync:
                 params = self._apply(params, q, chain)
         return params
 
+    def _kept_progress(self, q: int, frag: FragmentSync) -> tuple[np.ndarray, int, int] | None:
+        """(anchor, steps, tokens) of the progress fragment q keeps over an arriving version: since
+        this learner's last push from the version held (what that push carried is in the syncer's
+        hands), else since that version. None: overwrite (an alpha mix, or no version held yet).
+        docs/algorithm.md, "Progress carried over a merge"."""
+        if not self.config.keep_progress or self.config.alpha or frag.base is None or frag.version < 0:
+            return None
+        last = self._outstanding.get(q)
+        if last is not None and last.base == frag.version:
+            return last.theta, frag.steps - last.steps, frag.tokens - last.tokens
+        return frag.base, frag.steps, frag.tokens
+
     def _hold_back(self, q: int) -> bool:
         """Whether fragment q's due step is skipped: this learner's last push of q, from the version
         it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
-        base, skips = self._outstanding.get(q, (-1, PUSH_SKIPS_MAX))
-        if base != self.fragments[q].version or skips >= PUSH_SKIPS_MAX:
+        last = self._outstanding.get(q)
+        if last is None or last.base != self.fragments[q].version or last.skips >= PUSH_SKIPS_MAX:
             return False
-        self._outstanding[q] = (base, skips + 1)
+        self._outstanding[q] = last._replace(skips=last.skips + 1)
         self.pushes_held += 1
         return True
 
@@ -570,8 +612,9 @@ class DilocoSync:
             self.pushes_skipped += 1
             log.warning("push of fragment %d at step %d skipped: its parameters were donated", q, flight.step)
             return
+        theta = tree.finish_gather(q, flight.leaves)
         payload, feedback = _encode_delta(
-            frag.base - tree.finish_gather(q, flight.leaves),
+            frag.base - theta,
             self.fragments[q].feedback,
             self.config,
             layout.block,
@@ -584,7 +627,7 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.push(self.calls, push)
         client.push(push)
-        self._outstanding[q] = (frag.version, 0)
+        self._outstanding[q] = _Outstanding(frag.version, 0, theta, frag.steps, frag.tokens)
 
     def _set(self, q: int, frag: FragmentSync) -> None:
         self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1 :]

@@ -132,6 +132,20 @@ class TreeFragments:
             leaves[slot.leaf] = leaf
         return tree_unflatten(self.treedef, leaves)
 
+    def add(self, params: Any, p: int, values: np.ndarray) -> Any:
+        """`params` with `values` (float32[padded]) added to fragment p: each leaf's slice moved to
+        where the leaf is (`put_all_like`) in the leaf's dtype and added there, so a device leaf is
+        added on its devices without waiting for them, and keeps its dtype and sharding."""
+        leaves = list(self.treedef.flatten_up_to(params))
+        olds = [leaves[slot.leaf] for slot in self.slots[p]]
+        adds = [
+            np.asarray(values[slot.offset : slot.offset + slot.size].reshape(old.shape), dtype=old.dtype)
+            for slot, old in zip(self.slots[p], olds)
+        ]
+        for slot, old, placed in zip(self.slots[p], olds, put_all_like(adds, olds)):
+            leaves[slot.leaf] = old + placed
+        return tree_unflatten(self.treedef, leaves)
+
 
 def put_all_like(arrays: list[np.ndarray], olds: list[Any]) -> list[Any]:
     """Each of `arrays` placed as its `olds` leaf is: on its sharding when the leaf is committed to

@@ -191,8 +191,21 @@ class Progress(_Body):
     fragment_steps: tuple[int, ...]
     fragment_tokens: tuple[int, ...]
     clock: dict[str, int]
+    # Per fragment, of the tokens counted since it received that version, those trained under the
+    # version before and carried over it (docs/protocol.md "Progress carried over a merge"). Empty:
+    # none carried.
+    fragment_carried: tuple[int, ...] = ()
 
     def _check(self) -> None:
+        _require(
+            not self.fragment_carried or len(self.fragment_carried) == len(self.held_versions),
+            f"Progress.fragment_carried has {len(self.fragment_carried)} entries but held_versions"
+            f" has {len(self.held_versions)}",
+        )
+        _require(
+            all(0 <= c <= t for c, t in zip(self.fragment_carried, self.fragment_tokens)),
+            "Progress.fragment_carried must lie in [0, fragment_tokens]",
+        )
         for name in ("fragment_steps", "fragment_tokens"):
             _require(
                 len(getattr(self, name)) == len(self.held_versions),

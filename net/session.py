@@ -112,6 +112,7 @@ class ProgressInfo:
     versions: tuple[int, ...]
     steps: tuple[int, ...]
     tokens: tuple[int, ...]
+    carried: tuple[int, ...] = ()  # of `tokens`, those carried over a merge (msg.Progress.fragment_carried)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,12 @@ def progress_frames(
     p: ProgressInfo, message_id: int, limits: wire.WireLimits, clock: dict[str, int] | None = None
 ) -> list:
     m = msg.Progress(
-        step=p.step, fragment_steps=p.steps, fragment_tokens=p.tokens, clock=clock or {}, held_versions=p.versions
+        step=p.step,
+        fragment_steps=p.steps,
+        fragment_tokens=p.tokens,
+        clock=clock or {},
+        held_versions=p.versions,
+        fragment_carried=p.carried if any(p.carried) else (),
     )
     return wire.encode(m, message_id=message_id, limits=limits)
 
@@ -287,7 +293,7 @@ def event_for(m: msg.Message, conn: int, learner: int | None, layout: Layout | N
     if learner is None:
         raise SessionError(msg.ErrorCode.UNEXPECTED_KIND, f"{type(m).__name__} before hello", fatal=True)
     if isinstance(m, msg.Progress):
-        return ev.Progress(learner, m.step, m.held_versions, m.fragment_steps, m.fragment_tokens)
+        return ev.Progress(learner, m.step, m.held_versions, m.fragment_steps, m.fragment_tokens, m.fragment_carried)
     if isinstance(m, msg.Push):
         return push_event(m, learner, layout)
     if isinstance(m, msg.Init):

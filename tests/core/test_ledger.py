@@ -15,6 +15,31 @@ def test_window_fates():
     led.check()
 
 
+def test_tokens_carried_over_a_merge_move_to_the_next_window_once():
+    led = Ledger()
+    led.report(1, 0, 300, reset=False)
+    led.hold(1, 0, 300)  # pushed at 300
+    led.report(1, 0, 500, reset=False)  # 200 more trained after the push
+    led.decide(1, 0, "merged")
+    # The merged version arrived; the learner kept the 200 (and trained 50 more): they are its new
+    # window's first 250 tokens, not lost, and reported once.
+    led.report(1, 0, 250, reset=True, carried=200)
+    assert led.totals["merged"] == 300 and led.totals["lost"] == 0
+    assert led.open == 250 and led.reported == 550
+    led.fate(1, 0, 250, "merged")
+    assert led.totals["merged"] == 550 and led.open == 0
+    led.check()
+
+
+def test_a_carried_claim_beyond_the_window_moves_only_what_it_holds():
+    led = Ledger()
+    led.report(1, 0, 100, reset=False)
+    led.fate(1, 0, 60, "merged")
+    led.report(1, 0, 900, reset=True, carried=900)  # more than the 40 unfated: 40 move
+    assert led.totals["lost"] == 0 and led.reported == 60 + 900
+    led.check()
+
+
 def test_second_push_of_same_window_counts_once():
     led = Ledger()
     led.report(2, 1, 400, reset=False)
@@ -82,7 +107,7 @@ def test_books_always_balance(sequence):
     led = Ledger()
     for op, learner, fragment, tokens, fate in sequence:
         if op in ("report", "reset"):
-            led.report(learner, fragment, tokens, reset=op == "reset")
+            led.report(learner, fragment, tokens, reset=op == "reset", carried=tokens // 2)
         elif op == "fate":
             led.fate(learner, fragment, tokens, fate)
         elif op == "hold":

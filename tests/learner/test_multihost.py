@@ -160,7 +160,8 @@ def test_one_process_learner_sets_exactly_the_fragments_the_hook_received(thread
     """process_count() == 1: every collective is a local no-op, the rest is the real path."""
     syncer = threaded_syncer(num_fragments=2, period=2, quorum=1)
     params = model(1)
-    sync = MultiProcessSync(params, SyncConfig(url=syncer.url, name="mp", token=TOKEN, progress_interval_s=0))
+    config = SyncConfig(url=syncer.url, name="mp", token=TOKEN, progress_interval_s=0, keep_progress=False)
+    sync = MultiProcessSync(params, config)
     tree = TreeFragments(params, build_layout(tensor_specs(params), 2))
     update = jax.jit(lambda ps: jax.tree.map(lambda x: (x * 0.99).astype(x.dtype), ps))
     quiet, checked = 0, 0

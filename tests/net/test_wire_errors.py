@@ -200,6 +200,17 @@ def test_encode_refuses_messages_over_the_limits() -> None:
             "Progress.fragment_tokens",
         ),
         (
+            lambda: Progress(
+                step=0,
+                held_versions=(0, 0),
+                fragment_steps=(1, 2),
+                fragment_tokens=(5, 5),
+                clock={},
+                fragment_carried=(6, 0),
+            ),
+            "Progress.fragment_carried",
+        ),
+        (
             lambda: Push(
                 fragment=0,
                 step=0,

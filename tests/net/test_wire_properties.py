@@ -72,8 +72,9 @@ def progresses(draw: st.DrawFn) -> Progress:
         step=draw(counts),
         held_versions=versions,
         fragment_steps=draw(same_length),
-        fragment_tokens=draw(same_length),
+        fragment_tokens=(tokens := draw(same_length)),
         clock=draw(clocks),
+        fragment_carried=draw(st.one_of(st.just(()), st.tuples(*(st.integers(0, t) for t in tokens)))),
     )
 
 
