@@ -436,6 +436,10 @@ class DilocoSync:
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
+        return tuple(q for q in self._scheduled_next() if not self._waits_on_push(q))
+
+    def _scheduled_next(self) -> tuple[int, ...]:
+        """The fragments the schedule makes due at the next call's step (none while a version is missing)."""
         if not self.fragments or any(f.version < 0 for f in self.fragments):
             return ()
         return self._due.get((self.step_count + 1) % self._period, ())
@@ -462,7 +466,7 @@ class DilocoSync:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
         client, _, layout = self._joined()
-        due = self.due_next
+        scheduled = self._scheduled_next()
         self.step_count += 1
         self.calls += 1
         self.fragments = tuple(f.counted(tokens) for f in self.fragments)
@@ -473,7 +477,7 @@ class DilocoSync:
             assert welcome is not None, "a transport counted a welcome it did not hand over"
             self.welcomes_seen = welcomes
             self._rejoin(params, welcome)
-            due = ()  # the schedule was of the old session
+            scheduled = ()  # the schedule was of the old session
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
         if errors:
@@ -483,9 +487,8 @@ class DilocoSync:
         sent = self._send_in_flight() if self._in_flight else ()
         # Due fragments are copied before arrived versions overwrite them: the push keeps the
         # progress made since the version held.
-        for q in due:
-            if self._hold_back(q):
-                continue
+        held = self._held_back(scheduled)
+        for q in (q for q in scheduled if q not in held):
             self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
@@ -585,15 +588,19 @@ class DilocoSync:
             return last.theta, frag.steps - last.steps, frag.tokens - last.tokens
         return frag.base, frag.steps, frag.tokens
 
-    def _hold_back(self, q: int) -> bool:
-        """Whether fragment q's due step is skipped: this learner's last push of q, from the version
-        it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
+    def _waits_on_push(self, q: int) -> bool:
+        """Whether fragment q's due steps are skipped now: this learner's last push of q, from the
+        version it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
         last = self._outstanding.get(q)
-        if last is None or last.base != self.fragments[q].version or last.skips >= PUSH_SKIPS_MAX:
-            return False
-        self._outstanding[q] = last._replace(skips=last.skips + 1)
-        self.pushes_held += 1
-        return True
+        return last is not None and last.base == self.fragments[q].version and last.skips < PUSH_SKIPS_MAX
+
+    def _held_back(self, due: tuple[int, ...]) -> tuple[int, ...]:
+        """Of the fragments the schedule makes due, those skipped (counted against PUSH_SKIPS_MAX)."""
+        held = tuple(q for q in due if self._waits_on_push(q))
+        for q in held:
+            self._outstanding[q] = self._outstanding[q]._replace(skips=self._outstanding[q].skips + 1)
+        self.pushes_held += len(held)
+        return held
 
     def _send_in_flight(self) -> tuple[int, ...]:
         """Encode and send the pushes whose host copies earlier calls started, in the order started;

@@ -282,16 +282,12 @@ def _failures_order(arms: dict, steps: int) -> None:
     # the synchronous job advances one step per second of wall time in which no slice is down
     for goodput, wall in zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, dp, "wall_s"), strict=True):
         assert goodput == pytest.approx(steps / wall)
-    # K = 1 without faults: nobody waits. Since protocol 2 a push leaves the step after its copy started
-    # (the hook never waits for the device), so the step trained meanwhile, overwritten by the merged
-    # version, is lost: about one step per fragment period, nothing else.
-    assert all(0.75 < g < 1.0 for g in _per_seed(arms, free, "goodput"))
+    # K = 1 without faults: nobody waits, nothing is lost (what a learner trains while its push is on its
+    # way is carried over the merge, docs/algorithm.md "Progress carried over a merge")
+    assert _per_seed(arms, free, "goodput") == [1.0] * 3
     # a synchronous job stalls while any slice is down; a decoupled one loses only the down learner's time
-    # (besides the step in flight per push that it loses without faults too)
-    pairs = zip(
-        _per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput"), _per_seed(arms, free, "goodput"), strict=True
-    )
-    assert all(dp_goodput <= decoupled_goodput / free_goodput for dp_goodput, decoupled_goodput, free_goodput in pairs)
+    pairs = zip(_per_seed(arms, dp, "goodput"), _per_seed(arms, down, "goodput"), strict=True)
+    assert all(dp_goodput <= decoupled_goodput for dp_goodput, decoupled_goodput in pairs)
 
 
 def _merge_order(arms: dict, steps: int) -> None:
@@ -303,8 +299,8 @@ def _merge_order(arms: dict, steps: int) -> None:
 def _broadcast_order(arms: dict, steps: int) -> None:
     # an arm for each codec the syncer accepts, int4 deltas among them, and the codec reaches the
     # learners: a lossy delta rounds the copy they train from, so the run differs from the fp32 one.
-    # (Only from a fragment's second merge on: version 0 is published exactly, and a short run may
-    # merge a fragment just once in some seed, so not necessarily in every seed.)
+    # (Only from a fragment's second merge on: version 0 is published exactly. The test runs this one
+    # 16 steps so that fragments merge again; still not necessarily in every seed.)
     assert list(arms) == [f"broadcast {c}" for c in experiments.broadcast_codecs()]
     assert set(arms) == {"broadcast fp32", "broadcast bf16", "broadcast int4"}
     fp32 = _per_seed(arms, "broadcast fp32", "eval_loss")
@@ -316,9 +312,10 @@ def _broadcast_order(arms: dict, steps: int) -> None:
 def _hetero_order(arms: dict, steps: int) -> None:
     # K = M: a merge needs every learner, so exactly half of each merge comes from the slow half
     assert _per_seed(arms, "K = M = 4", "slow_share") == [0.5] * 3
-    # the grace window merges what would otherwise arrive just after the round closed (wasted work)
+    # Without a grace window a push that arrives just after its round closed is carried into the next
+    # round of its fragment, discounted (protocol 2), no longer wasted: the window costs no goodput
     with_grace, without = arms["K = 1, grace"]["goodput"]["mean"], arms["K = 1, no grace"]["goodput"]["mean"]
-    assert with_grace > without
+    assert with_grace >= without > 0.9
 
 
 def _scavenge_order(arms: dict, steps: int) -> None:
@@ -381,12 +378,14 @@ def _check_summary_and_ranges(result: dict) -> None:
 
 @pytest.mark.parametrize("name", list(ORDERS))
 def test_every_quick_experiment_runs_over_three_seeds(name):
-    """At a tiny budget (8 steps per learner): every arm over three seeds, its summary the mean and
+    """At a tiny budget (8 steps per learner, 16 for broadcast): every arm over three seeds, its summary the mean and
     spread of its values, every value in range, the orderings the algorithm implies, and the whole
     result again for the same seeds."""
     # dp-vs-decoupled at dense M = 2 only: each M and each model is one more program to compile
     # (the MoE model itself is covered by test_model)
-    size = replace(experiments.QUICK, budget_tokens=4 * 4 * 32 * 8, ms=(2,), moe_ms=())
+    # broadcast: 16 steps, so that fragments merge more than once (version 0 is published exactly)
+    steps = 16 if name == "broadcast" else 8
+    size = replace(experiments.QUICK, budget_tokens=4 * 4 * 32 * steps, ms=(2,), moe_ms=())
     result = experiments.run_experiment(experiments.EXPERIMENTS[name], size)
     assert result["seeds"] == [0, 1, 2] and result["size"] == "quick"
     assert set(result["arms"]) == {arm.label for arm in experiments.EXPERIMENTS[name].arms(size)}

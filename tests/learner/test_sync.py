@@ -254,3 +254,63 @@ def test_a_peer_server_needs_the_hooks_own_snapshot_box():
 
     with pytest.raises(ValueError, match="SnapshotBox"):
         DilocoSync(model(0), SyncConfig(url="ws://127.0.0.1:1/ws", name="x", peer=PeerConfig()), snapshots=Outbox())
+
+
+def model32(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "a": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal(40), jnp.float32),
+    }
+
+
+def _run_alone(threaded_syncer, keep_progress):
+    """One learner, quorum 1, stepping while its pushes travel; every arrival of a version checked."""
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
+    params, target = model32(1), model32(10)
+    config = SyncConfig(url=s.url, name="a", token=TOKEN, keep_progress=keep_progress)
+    sync = DilocoSync.connect(params, config)
+    tree = sync.tree
+    stepped_at: dict[int, dict] = {}  # step -> the parameters handed to the hook then
+    copied_at: dict[int, int] = {}  # fragment -> step of its last host copy (its push)
+    arrivals = 0
+    deadline = time.monotonic() + 120
+    try:
+        while (s.server.state.merges < 8 or arrivals < 4) and time.monotonic() < deadline:
+            due = sync.due_next
+            stepped = jax.tree.map(lambda x, t: x - 0.2 * (x - t), params, target)
+            before = sync.fragments
+            params = sync.step(stepped, tokens=128)
+            stepped_at[sync.step_count] = stepped
+            for q in due:
+                copied_at[q] = sync.step_count
+            for q, (old, new) in enumerate(zip(before, sync.fragments)):
+                if new.version == old.version or old.version < 0 or q not in copied_at:
+                    continue
+                arrivals += 1
+                if not keep_progress:
+                    np.testing.assert_array_equal(tree.gather(params, q), new.published)
+                    assert new.tokens == new.carried == 0
+                    continue
+                since = copied_at[q]  # the push of the version held was computed from this step's input
+                assert new.carried == new.tokens == 128 * (sync.step_count - since)
+                want = new.published + (tree.gather(stepped, q) - tree.gather(stepped_at[since], q))
+                np.testing.assert_allclose(tree.gather(params, q), want, rtol=1e-6, atol=1e-6)
+            time.sleep(0.003)
+        assert arrivals >= 4, arrivals
+        ledger = s.server.state.ledger
+        lost_while_training = ledger.totals["lost"]  # before the learner leaves with its unpushed tokens
+        sync.close()
+        ledger.check()
+        return lost_while_training, ledger.totals["merged"] / ledger.reported
+    finally:
+        s.stop()
+
+
+def test_a_version_arriving_after_the_push_keeps_what_was_trained_since(threaded_syncer):
+    """keep_progress: the new version plus the progress since the push, its tokens carried to the next
+    window, none booked lost; overwriting (the paper's learner) loses them."""
+    lost_while_training, merged_share = _run_alone(threaded_syncer, keep_progress=True)
+    assert lost_while_training == 0 and merged_share > 0.8
+    lost_while_training, _ = _run_alone(threaded_syncer, keep_progress=False)
+    assert lost_while_training > 0
