@@ -431,7 +431,7 @@ class MultiProcessSync:
         if not rejoin:  # a new session starts no push at its first step (DilocoSync.step)
             gather |= set(self.sync.due_next)
         waiting = () if rejoin else self.sync.updates_waiting  # held back a call (DilocoSync.step)
-        if self.config.alpha:  # mixing reads the fragment's current values
+        if self.config.alpha or self.config.keep_progress:  # mixing and keeping progress read the current values
             gather |= set(updates) | set(waiting)
         flags = (HEADER_FLAG_UPDATES if updates or waiting else 0) | (HEADER_FLAG_GATHER_ALL if gather_all else 0)
         return StepHeader(self.calls, flags, tuple(q in gather for q in range(fragments)))
