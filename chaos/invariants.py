@@ -78,8 +78,8 @@ class Checker:
         self._versions: list[int] | None = None
         self._theta: list[str | None] = []
         self._status: dict[int, LearnerStatus] = {}
-        # fragment -> learner -> (base version, token weight) of its admitted push waiting for a merge
-        self._waiting: dict[int, dict[int, tuple[int, float]]] = {}
+        # fragment -> learner -> (base version, token weight, steps, tokens) of its admitted push waiting for a merge
+        self._waiting: dict[int, dict[int, tuple[int, float, int, int]]] = {}
         self._sent: dict[tuple[int, int, str], str] = {}  # (fragment, version, codec) -> digest of values
         self._asked_init: set[int] = set()
         self._held: dict[int, list[int]] = {}
@@ -181,7 +181,8 @@ class Checker:
 
     def _note_event(self, state: SyncerState, event: Event) -> None:
         """Remember every push that is admissible by the rules, judged with the state before it: it
-        waits for the next merge of its fragment, the newest of each learner replacing the older."""
+        waits for the next merge of its fragment, the newest of each learner replacing the older from
+        the same base, and joining one from an older base (the older base, the counters summed)."""
         if not isinstance(event, Push) or not 0 <= event.fragment < len(self._versions):
             return
         p = event.fragment
@@ -195,10 +196,12 @@ class Checker:
             and (event.steps > 0 or event.tokens == 0)
         )
         if admissible:
-            self._waiting.setdefault(p, {})[event.learner] = (
-                event.base_version,
-                token_weight(event.tokens, event.steps),
-            )
+            waiting = self._waiting.setdefault(p, {})
+            base, steps, tokens = event.base_version, event.steps, event.tokens
+            older = waiting.get(event.learner)
+            if older is not None and older[0] != base:
+                base, steps, tokens = older[0], older[2] + steps, older[3] + tokens
+            waiting[event.learner] = (base, token_weight(tokens, steps), steps, tokens)
 
     # ---- the checks -----------------------------------------------------------------------------
 
@@ -241,7 +244,9 @@ class Checker:
         waiting = self._waiting.pop(e.fragment, {})
         # Staleness s = before - base: at most STALENESS_MAX, weight discounted by 1/(1+s).
         pushes = {
-            m: w / (1 + before - b) if before > b else w for m, (b, w) in waiting.items() if before - b <= STALENESS_MAX
+            m: w / (1 + before - b) if before > b else w
+            for m, (b, w, *_) in waiting.items()
+            if before - b <= STALENESS_MAX
         }
         expected = sorted(m for m, w in pushes.items() if w > 0)
         if len(set(e.learners)) != len(e.learners) or sorted(e.learners) != expected:

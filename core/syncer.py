@@ -68,6 +68,11 @@ PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spar
 # few periods at most; a larger jump is a corrupt counter, and taking it would let one message move
 # the global step (with quorum 1) arbitrarily far.
 STEP_JUMP_MAX = 100_000
+# A learner whose progress reports hold a fragment this many versions behind the syncer's is sent
+# the current version whole: it is not following the delta broadcast (its copy came from a peer or a
+# snapshot without the published copy, or a delta went astray) and would otherwise wait for a push
+# refused as stale. Once per version; one round behind is normal (the update is on its way).
+WHOLE_RESEND_LAG = 2
 # The most versions a push's base may lag behind the version its round merges onto (its staleness s).
 # A push s >= 1 behind is merged with its weight times 1/(1+s) (docs/algorithm.md, "Late pushes");
 # beyond this it is refused and its tokens booked lost: its outer gradient mostly repeats what the
@@ -99,6 +104,8 @@ class LearnerRecord:
     tokens: list[int] = field(default_factory=list)
     caught_up_at: float | None = None
     peer_url: str = ""  # where it serves its state to (re)joining learners; "" if it does not
+    # fragment -> the version last sent whole to it because its reports fell behind (WHOLE_RESEND_LAG)
+    resent: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -406,6 +413,11 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
         return
     rec.last_seen = now
     rec.step = ev.step
+    for p, held in enumerate(ev.versions):
+        frag = state.fragments[p]
+        if 0 <= held <= frag.version - WHOLE_RESEND_LAG and rec.resent.get(p, -1) < frag.version:
+            rec.resent[p] = frag.version
+            out.append(update_effect(state, p, (rec.id,)))
     for p in range(num):
         reset = ev.versions[p] != rec.versions[p]
         state.ledger.report(rec.id, p, ev.tokens[p], reset=reset, carried=carried[p])
@@ -470,16 +482,34 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
     frag = state.fragments[ev.fragment]
     waiting = frag.open.pushes if frag.open is not None else frag.kept
     older = waiting.get(ev.learner)
-    if older is not None and older.base_version != ev.base_version:
-        # The newer push starts from a newer base: the older one's progress was overwritten on the
-        # learner and is in neither. (From the same base, the newer push holds the older one's
-        # progress and its tokens: the held tokens carry over.)
-        state.ledger.decide(ev.learner, ev.fragment, "lost")
     if books:
         state.ledger.hold(ev.learner, ev.fragment, ev.tokens)
+    if older is not None and older.base_version != ev.base_version:
+        # The newer push starts from a newer base, so it does not hold the older one's progress (the
+        # learner kept only what it trained since, or overwrote the rest): both go into the round,
+        # summed as one push of the learner from the older base, their tokens held together. (From
+        # the same base the newer push holds the older one's progress: it replaces it.)
+        ev = _joined_pushes(older, ev)
     waiting[ev.learner] = ev
     if frag.open is not None:
         _after_delivery(state, ev.fragment, now, out)
+
+
+def _joined_pushes(older: Push, newer: Push) -> Push:
+    """One push holding the progress of both: the sum of the two outer gradients in fp32, from the
+    older base (so the older part's staleness discounts it), with both pushes' counters."""
+    total = older.payload.decode(parallel=False)
+    total += newer.payload.decode(parallel=False)
+    payload = codecs.parse(codecs.encode(total, codecs.Codec.FP32, parallel=False))
+    return Push(
+        newer.learner,
+        newer.fragment,
+        newer.step,
+        older.base_version,
+        min(older.steps + newer.steps, TOKENS_MAX),
+        min(older.tokens + newer.tokens, TOKENS_MAX),
+        payload,
+    )
 
 
 def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None:

@@ -324,7 +324,7 @@ def test_a_newer_push_replaces_the_older_one_of_the_same_learner():
     h.state.ledger.check()
 
 
-def test_a_push_from_a_newer_base_books_the_replaced_one_lost():
+def test_a_push_from_a_newer_base_joins_the_waiting_one_and_nothing_is_lost():
     h = Harness(quorum=2)
     two_live(h)
     fragment, _ = open_round(h, 1)
@@ -334,9 +334,15 @@ def test_a_push_from_a_newer_base_books_the_replaced_one_lost():
     h.push(2, fragment, 2, base=0, tokens=200, steps=2)  # late: kept for the next round
     h.send(Progress(2, 3, (0, 1), (3, 1), (300, 100)))  # it took version 1: the window of version 0 closed
     lost = h.state.ledger.totals["lost"]
-    h.push(2, fragment, 3, base=1, tokens=100, steps=1)  # replaces the kept one, from a newer base
-    assert h.state.fragments[fragment].kept[2].base_version == 1
-    assert h.state.ledger.totals["lost"] == lost + 100  # what it held beyond the 100 already merged
+    kept = h.state.fragments[fragment].kept[2].payload.decode()
+    newer = h.push(2, fragment, 3, base=1, tokens=100, steps=1)  # from a newer base: not the kept one's progress
+    assert not h.of(SendError, newer)
+    joined = h.state.fragments[fragment].kept[2]
+    assert (joined.base_version, joined.tokens, joined.steps) == (0, 300, 3)  # the older base: discounted as late
+    size = h.state.layout.fragments[fragment].padded_size
+    newer_vec = np.random.default_rng(2).standard_normal(size).astype(np.float32) * 0.01  # Harness.push's
+    np.testing.assert_array_equal(joined.payload.decode(), kept + codec.parse(codec.encode(newer_vec, "int4")).decode())
+    assert h.state.ledger.totals["lost"] == lost and h.state.ledger.held[(2, fragment)] == 200
     h.state.ledger.check()
 
 
