@@ -562,3 +562,41 @@ def test_progress_counters_above_the_weight_limit_are_refused():
     (err,) = h.of(SendError, eff)
     assert err.code == "bad_counters" and str(TOKENS_MAX) in err.text
     assert h.state.learners[1].step == 0
+
+
+def test_a_learner_reporting_versions_behind_is_sent_the_fragment_whole_once_per_version():
+    """Its copy came from a peer without the published copy, or a delta went astray: it cannot follow
+    the delta broadcast, and no stale refusal comes while it holds back its pushes."""
+    h = Harness(quorum=1)
+    two_live(h)
+
+    def merge_round_of_learner_1(step):
+        opened = [f.rounds_opened for f in h.state.fragments]
+        h.progress(1, step, dt=0.1)  # learner 2 says nothing meanwhile: the global step is learner 1's
+        for p, f in enumerate(h.state.fragments):
+            if f.rounds_opened > opened[p]:
+                h.push(1, p, step)
+                return p
+        return None
+
+    for step in range(1, 7):  # both fragments merged three times, learner 2 applying none
+        merge_round_of_learner_1(step)
+    assert min(f.version for f in h.state.fragments) >= syncer.WHOLE_RESEND_LAG
+
+    def whole_to_2(effects):
+        return [e for e in h.of(SendUpdate, effects) if e.learners == (2,) and e.base_version < 0]
+
+    behind = Progress(2, 6, (0, 0), (6, 6), (600, 600))
+    sent = whole_to_2(h.send(behind))
+    assert [e.fragment for e in sent] == [p for p, f in enumerate(h.state.fragments) if f.version >= 2]
+    assert sent and all(e.version == h.state.fragments[e.fragment].version for e in sent)
+    assert whole_to_2(h.send(Progress(2, 7, (0, 0), (7, 7), (700, 700)))) == []  # once per version
+    versions = [f.version for f in h.state.fragments]
+    for step in (7, 8):
+        merge_round_of_learner_1(step)
+    newer = [p for p, f in enumerate(h.state.fragments) if f.version > versions[p]]
+    again = whole_to_2(h.send(Progress(2, 9, (0, 0), (9, 9), (900, 900))))
+    previous = {e.fragment: e.version for e in sent}
+    assert newer and set(newer) <= {e.fragment for e in again}  # a newer version: sent again
+    assert all(e.version > previous[e.fragment] for e in again)  # and only a newer one
+    h.state.ledger.check()
