@@ -14,10 +14,9 @@ received fragment p). A window's tokens end as:
 - rejected: in a push refused for bad content (wrong size, NaN...),
 - lost: never pushed (trained after the push and then overwritten by the merged fragment, unless
   the learner carried that progress over the merge and says so (`report(carried=)`): those tokens
-  move into its next window; or the learner died before it could push), in a push too stale to merge (more than STALENESS_MAX
-  versions behind), or in a waiting push replaced by the learner's next one computed from a newer
-  base (the older one's progress was overwritten on the learner). A push delivered before its
-  learner died is decided with its round like any other.
+  move into its next window; or the learner died before it could push), or in a push too stale to
+  merge (more than STALENESS_MAX versions behind). A push delivered before its learner died is
+  decided with its round like any other.
 
 A window is open while the learner trains; it closes when the learner reports that it holds a newer
 version of the fragment (its counters reset) or when the learner is gone. An admitted push's tokens
@@ -49,7 +48,7 @@ class Ledger:
     # shares. Not in a checkpoint: a resumed syncer counts them from zero (a counter reset).
     by_learner: dict[int, dict[str, int]] = field(default_factory=dict)
     # Tokens of admitted pushes not decided yet, per (learner, fragment): one waiting push each
-    # (a newer push of the same learner and fragment replaces the older one, core.syncer).
+    # (a newer push of the same learner and fragment replaces or joins the older one, core.syncer).
     held: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def report(self, learner: int, fragment: int, tokens: int, *, reset: bool, carried: int = 0) -> None:

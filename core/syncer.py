@@ -11,7 +11,8 @@ Round life: a round of fragment p opens when the global step (the step of the K-
 learner) reaches a step t with t mod H == t_p. Nobody is asked: learners push fragment p on their own
 at their steps of that phase (protocol 2, docs/protocol.md "Learner-driven pushes"). The round takes
 what arrives: pushes kept while no round of p was open join it when it opens, later ones while it is
-open; one push per learner (a newer one replaces the older). When K have arrived the grace window is
+open; one push per learner (a newer one replaces the older from the same base, and is summed with
+one from an older base). When K have arrived the grace window is
 computed, and the round closes when it expires, when every learner live at its opening that is still
 connected has delivered, or when the next round of the same fragment opens. Closing merges (mean or
 RDA, token weighted, a push s versions behind discounted by 1/(1+s)), applies the outer Nesterov step,

@@ -120,11 +120,9 @@ class TreeFragments:
     def scatter(self, params: Any, p: int, values: np.ndarray, alpha: float = 0.0) -> Any:
         """`params` with fragment p replaced by `values` (float32[padded]), or mixed as
         alpha * theta + (1 - alpha) * values; each leaf keeps its dtype and sharding."""
-        leaves = list(self.treedef.flatten_up_to(params))
-        olds = [leaves[slot.leaf] for slot in self.slots[p]]
+        leaves, olds, slices = self._slices(params, p, values)
         news = []
-        for slot, old in zip(self.slots[p], olds):
-            new = values[slot.offset : slot.offset + slot.size].reshape(old.shape)
+        for old, new in zip(olds, slices):
             if alpha:
                 new = alpha * np.asarray(jax.device_get(old), dtype=np.float32) + (1.0 - alpha) * new
             news.append(np.asarray(new, dtype=old.dtype))
@@ -136,15 +134,18 @@ class TreeFragments:
         """`params` with `values` (float32[padded]) added to fragment p: each leaf's slice moved to
         where the leaf is (`put_all_like`) in the leaf's dtype and added there, so a device leaf is
         added on its devices without waiting for them, and keeps its dtype and sharding."""
-        leaves = list(self.treedef.flatten_up_to(params))
-        olds = [leaves[slot.leaf] for slot in self.slots[p]]
-        adds = [
-            np.asarray(values[slot.offset : slot.offset + slot.size].reshape(old.shape), dtype=old.dtype)
-            for slot, old in zip(self.slots[p], olds)
-        ]
+        leaves, olds, slices = self._slices(params, p, values)
+        adds = [np.asarray(new, dtype=old.dtype) for old, new in zip(olds, slices)]
         for slot, old, placed in zip(self.slots[p], olds, put_all_like(adds, olds)):
             leaves[slot.leaf] = old + placed
         return tree_unflatten(self.treedef, leaves)
+
+    def _slices(self, params: Any, p: int, values: np.ndarray) -> tuple[list[Any], list[Any], list[np.ndarray]]:
+        """(every leaf of `params`, fragment p's leaves, each one's slice of `values` in its shape)."""
+        leaves = list(self.treedef.flatten_up_to(params))
+        olds = [leaves[slot.leaf] for slot in self.slots[p]]
+        slices = [values[s.offset : s.offset + s.size].reshape(old.shape) for s, old in zip(self.slots[p], olds)]
+        return leaves, olds, slices
 
 
 def put_all_like(arrays: list[np.ndarray], olds: list[Any]) -> list[Any]:
