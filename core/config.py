@@ -17,6 +17,7 @@ from ddiloco.core.grace import GraceConfig
 from ddiloco.core.layout import FRAGMENTS_MAX, Strategy
 from ddiloco.core.merge import MergeMethod
 from ddiloco.core.outer import OuterConfig
+from ddiloco.core.shards import check_shard
 from ddiloco.errors import UserError
 
 
@@ -42,6 +43,10 @@ class SyncerConfig:
     decisions_kept: int = 64
     checkpoint_every_merges: int = 0  # 0: never by count
     checkpoint_every_s: float = 300.0  # 0: never by time (checkpoints need a directory too)
+    # A sharded syncer (core.shards): this process is shard `shard` of `shards` and owns fragments
+    # p with p mod shards == shard; 0 of 1 is the whole syncer.
+    shard: int = 0
+    shards: int = 1
 
     def __post_init__(self) -> None:
         _int_in("num_fragments", self.num_fragments, 1, FRAGMENTS_MAX)
@@ -53,6 +58,9 @@ class SyncerConfig:
         _int_in("learners_max", self.learners_max, 1, 65_536)
         _int_in("decisions_kept", self.decisions_kept, 1, 100_000)
         _int_in("checkpoint_every_merges", self.checkpoint_every_merges, 0, 10**9)
+        wrong = check_shard(self.shard, self.shards, self.num_fragments)
+        if wrong is not None:
+            raise ConfigError(wrong)
         if not (math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0):
             raise ConfigError(f"checkpoint_every_s must be a non-negative number, got {self.checkpoint_every_s!r}")
         for name, kind in (("strategy", Strategy), ("merge", MergeMethod), ("broadcast_codec", Codec)):

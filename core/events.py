@@ -112,6 +112,10 @@ class SendWelcome:
     # reports its progress at those steps without delay.
     period: int = 1
     offsets: tuple[int, ...] = ()
+    # A sharded syncer (core.shards): this syncer is shard `shard` of `shards` and owns only its
+    # fragments; the learner reaches every shard and routes each fragment to its owner.
+    shard: int = 0
+    shards: int = 1
 
 
 @dataclass(frozen=True)

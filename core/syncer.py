@@ -299,6 +299,8 @@ def _welcome(
         peers,
         state.schedule.period,
         state.schedule.offsets,
+        state.config.shard,
+        state.config.shards,
     )
 
 

@@ -162,9 +162,16 @@ class Welcome(_Body):
     # Optional (omitted from the body when empty): JSON list of [learner id, peer url, versions] of
     # the live learners that serve their state, for a (re)joining learner to copy from.
     peers_json: str = ""
+    # Optional (omitted at 0 of 1): a sharded syncer's shard index and shard count (core.shards).
+    shard: int = 0
+    shards: int = 1
 
     def _check(self) -> None:
         _check_digest("Welcome.layout_digest", self.layout_digest)
+        _require(
+            1 <= self.shards <= self.fragment_count and self.shard < self.shards,
+            f"Welcome.shard {self.shard} of {self.shards} shards does not fit {self.fragment_count} fragments",
+        )
         _require(self.fragment_count >= 1, "Welcome.fragment_count must be at least 1")
         _require(self.sync_every_steps >= 1, "Welcome.sync_every_steps must be at least 1")
         _require(self.codec_block >= 1, "Welcome.codec_block must be at least 1")

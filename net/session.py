@@ -21,7 +21,7 @@ import orjson
 
 from ddiloco.core import codec as codecs
 from ddiloco.core import events as ev
-from ddiloco.core import vclock
+from ddiloco.core import shards, vclock
 from ddiloco.core.layout import Layout, LayoutError, TensorSpec
 from ddiloco.errors import UserError
 from ddiloco.net import messages as msg
@@ -74,10 +74,17 @@ class WelcomeInfo:
     peers: tuple[PeerInfo, ...] = ()  # live learners serving their state, by learner id
     period: int = 1  # the round schedule: fragment p's round opens at global steps t, t mod period == offsets[p]
     offsets: tuple[int, ...] = ()
+    shard: int = 0  # a sharded syncer (core.shards): this syncer is shard `shard` of `shards`
+    shards: int = 1
 
     def opens_round(self, step: int) -> bool:
         """Whether some fragment's round opens when the syncer's global step reaches `step`."""
         return step % self.period in self.offsets
+
+    @property
+    def owned(self) -> tuple[int, ...]:
+        """The fragments this syncer owns (every fragment unless it is one shard of several)."""
+        return shards.owned(self.shard, self.shards, len(self.versions))
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,8 @@ def client_view(m: msg.Message) -> object:
             parse_peers(m.peers_json),
             m.sync_every_steps,
             m.fragment_offsets,
+            m.shard,
+            m.shards,
         )
     if isinstance(m, msg.Update):
         base = -1 if m.base_version is None else m.base_version
@@ -328,6 +337,8 @@ def frames_for(
             needs_init=effect.needs_init,
             layout_json=orjson.dumps(effect.layout).decode(),
             peers_json=orjson.dumps([[i, u, list(v)] for i, u, v in effect.peers]).decode() if effect.peers else "",
+            shard=effect.shard,
+            shards=effect.shards,
         )
     elif isinstance(effect, ev.SendError):
         m = msg.Error(code=_WIRE_CODE[effect.code], text=effect.text, fatal=effect.fatal)
