@@ -20,10 +20,13 @@ A snapshot is a directory, written under a temporary name and renamed when compl
     learner-<id>.ddls              each learner's local state (net.peer snapshot bytes; learner.sync)
     inflight/<sha256>              payloads of the messages in flight (pushes, initial fragments)
 
-This module writes and checks those files (every file through net.files: atomic, and a failure
-names the path and the cause). `Taker` is the protocol as a state machine without sockets, threads
-or a clock: the daemon's core thread drives it (`net.server`) between two events, and a test drives
-it directly. No clock is read here.
+`Taker` is the protocol as a state machine without sockets, threads, a clock or a file system: it
+keeps the cut, the open channels and the messages in flight, composes the manifest, and hands the
+bytes to a `SnapshotStore`. The daemon's core thread drives it between two events (`net.server`)
+with a `DirectoryStore` (every file through net.files: atomic, and a failure names the path and the
+cause); the chaos simulation drives the same machine over its simulated network with the files kept
+in memory (`chaos.shell`), and checks every snapshot it completes (`chaos.invariants`). `read`
+checks a snapshot directory.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import dataclasses
 import hashlib
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 
@@ -44,6 +49,22 @@ from ddiloco.core.syncer import SyncerState, state_hash
 from ddiloco.errors import UserError
 from ddiloco.net import files
 from ddiloco.net.store import NO_RUN, checkpoint_name
+
+__all__ = [
+    "FORMAT",
+    "INFLIGHT_DIR",
+    "MANIFEST",
+    "SNAPSHOTS_KEPT_DEFAULT",
+    "WAIT_S_MAX_DEFAULT",
+    "DirectoryStore",
+    "Outcome",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotStore",
+    "Taker",
+    "local_state_of",
+    "read",
+]
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -57,14 +78,71 @@ class SnapshotError(UserError, ValueError):
     """A snapshot that cannot be written, or a directory that is not a complete, intact snapshot."""
 
 
+class SnapshotStore(Protocol):
+    """Where the files of the snapshot being taken go. The daemon's is a directory (`DirectoryStore`);
+    the chaos simulation keeps them in memory. At most one snapshot is open at a time. `put` and
+    `commit` raise OSError when the bytes cannot be kept (the `Taker` decides what that means)."""
+
+    def open(self, name: str) -> None:
+        """A new snapshot called `name` (not visible as complete until `commit`)."""
+
+    def put(self, name: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Keep one file of the open snapshot: the syncer's state, a learner's state, a payload in flight."""
+
+    def commit(self, manifest: bytes) -> str:
+        """Keep the manifest and make the snapshot complete; returns where it is now."""
+
+    def abandon(self) -> None:
+        """Drop the open snapshot and whatever of it was kept."""
+
+
+class DirectoryStore:
+    """A snapshot per directory under `root`: written under a hidden temporary name through net.files,
+    renamed into place when complete; the newest `kept` complete ones stay."""
+
+    def __init__(self, root: Path | str, kept: int = SNAPSHOTS_KEPT_DEFAULT):
+        assert kept >= 1, kept
+        self.root, self.kept = Path(root), kept
+        self._final: Path | None = None
+
+    @property
+    def _tmp(self) -> Path:
+        assert self._final is not None, "no snapshot is open"
+        return self._final.with_name(f".{self._final.name}.tmp")
+
+    def open(self, name: str) -> None:
+        self._final = self.root / name
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        files.make_directory(self._tmp / INFLIGHT_DIR, what="create a snapshot's directory")
+
+    def put(self, name: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        files.write_atomic(self._tmp / name, parts, what=f"write snapshot file {name}")
+
+    def commit(self, manifest: bytes) -> str:
+        files.write_atomic(self._tmp / MANIFEST, [manifest], what="write a snapshot's manifest")
+        final, tmp = self._final, self._tmp
+        os.replace(tmp, final)
+        self._final = None
+        files.fsync_directory(final.parent)
+        done = sorted(p for p in final.parent.glob("snap-*") if (p / MANIFEST).exists())
+        for old in done[: -self.kept]:
+            shutil.rmtree(old, ignore_errors=True)
+        return str(final)
+
+    def abandon(self) -> None:
+        if self._final is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._final = None
+
+
 @dataclass
 class Snapshot:
-    """One snapshot being taken."""
+    """One snapshot being taken: the cut, and the channels still recording."""
 
     ident: int
-    directory: Path  # the temporary directory until `finish`
-    final: Path
+    name: str
     syncer_file: str
+    syncer_sha256: str
     versions: tuple[int, ...]
     global_step: int
     learners: dict[int, str]  # learner id -> name, the channels recorded (those connected at the cut)
@@ -75,121 +153,34 @@ class Snapshot:
     left_out: dict[int, str] = field(default_factory=dict)  # learner id -> why
     meta: dict = field(default_factory=dict)
 
+    @property
+    def complete(self) -> bool:
+        return not self.open
 
-def begin(
-    root: Path, ident: int, state: SyncerState, learners: dict[int, str], vclock: dict[str, int], now: float
-) -> Snapshot:
-    """Record the syncer's state (on the core thread, between two events) and open a channel per learner."""
-    final = Path(root) / f"snap-{state.merges:012d}-{ident:06d}"
-    tmp = final.with_name(f".{final.name}.tmp")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / INFLIGHT_DIR).mkdir(parents=True)
-        chunks = checkpoint.to_chunks(state, run=NO_RUN)
-        name = checkpoint_name(NO_RUN, 1, state.merges, checkpoint.content_hash(chunks))
-        files.write_atomic(tmp / name, chunks, what=f"write snapshot {ident}'s syncer state")
-    except OSError as exc:
-        raise SnapshotError(f"snapshot {ident} not taken in {root}: {files.describe(exc)}") from exc
-    snap = Snapshot(
-        ident,
-        tmp,
-        final,
-        name,
-        tuple(f.version for f in state.fragments),
-        state.global_step,
-        dict(learners),
-        now,
-        open=set(learners),
-        meta={"syncer_state_hash": state_hash(state), "syncer_clock": dict(vclock), "merges": state.merges},
-    )
-    return snap
-
-
-def record_inflight(snap: Snapshot, event: ev.Event) -> None:
-    """A learner's message taken by the core after the cut: channel state, while its channel is open."""
-    learner = getattr(event, "learner", None)
-    if learner not in snap.open:
-        return
-    if isinstance(event, ev.Disconnect):
-        snap.open.discard(learner)
-        snap.left_out[learner] = f"left before its local state arrived ({event.reason})"
-        return
-    fields = {}
-    for f in dataclasses.fields(event):
-        value = getattr(event, f.name)
-        if isinstance(value, codecs.Encoded):
-            body = value.body  # scales then codes, as received
-            sha = hashlib.sha256(body).hexdigest()
-            files.write_atomic(
-                snap.directory / INFLIGHT_DIR / sha, [body], what=f"write snapshot {snap.ident}'s message in flight"
-            )
-            value = {"codec": value.codec.value, "block": value.block, "elements": value.elements, "sha256": sha}
-        elif isinstance(value, tuple):
-            value = list(value)
-        fields[f.name] = value
-    snap.inflight.append({"learner": learner, "kind": type(event).__name__, "fields": fields})
-
-
-def local_state(snap: Snapshot, learner: int, data: bytes, sha256: str) -> str | None:
-    """Learner `learner`'s state arrived: store it and close its channel. Returns what is wrong, if anything."""
-    if learner not in snap.open:
-        return f"learner {learner} is not a channel of snapshot {snap.ident} (joined after the cut, or already in)"
-    got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        snap.open.discard(learner)
-        snap.left_out[learner] = "its local state did not match its sha256 (damaged in transit)"
-        return f"learner {learner}: local state hashes {got[:16]}, the message says {sha256[:16]}"
-    name = f"learner-{learner}.ddls"
-    snap.open.discard(learner)
-    try:
-        files.write_atomic(snap.directory / name, [data], what=f"write snapshot {snap.ident}'s learner state")
-    except files.FileError as exc:  # the disk, not the learner: the snapshot goes on without this state
-        snap.left_out[learner] = f"its local state could not be written ({exc.strerror})"
-        return str(exc)
-    snap.states[learner] = {"file": name, "bytes": len(data), "sha256": got, "name": snap.learners[learner]}
-    return None
-
-
-def complete(snap: Snapshot) -> bool:
-    return not snap.open
-
-
-def finish(snap: Snapshot, now: float, kept: int = SNAPSHOTS_KEPT_DEFAULT) -> Path:
-    """Write the manifest (channels still open are left out, timed out) and rename into place."""
-    for learner in sorted(snap.open):
-        snap.left_out[learner] = "no local state within the snapshot's wait limit"
-    snap.open.clear()
-    digests = {snap.syncer_file: _sha256_file(snap.directory / snap.syncer_file)}
-    digests |= {s["file"]: s["sha256"] for s in snap.states.values()}
-    for r in snap.inflight:
-        for value in r["fields"].values():
-            if isinstance(value, dict) and "sha256" in value:
-                digests[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
-    manifest = {
-        "format": FORMAT,
-        "snapshot": snap.ident,
-        "syncer": snap.syncer_file,
-        **snap.meta,
-        "versions": list(snap.versions),
-        "global_step": snap.global_step,
-        "seconds": round(now - snap.started_at, 3),
-        "learners": {str(k): v for k, v in sorted(snap.states.items())},
-        "left_out": {str(k): v for k, v in sorted(snap.left_out.items())},
-        "inflight": snap.inflight,
-        "files": digests,
-    }
-    try:
-        files.write_atomic(
-            snap.directory / MANIFEST,
-            [orjson.dumps(manifest, option=orjson.OPT_INDENT_2)],
-            what=f"write snapshot {snap.ident}'s manifest",
-        )
-        os.replace(snap.directory, snap.final)
-        files.fsync_directory(snap.final.parent)
-        _prune(snap.final.parent, kept)
-    except OSError as exc:
-        raise SnapshotError(f"cannot complete snapshot {snap.ident}: {files.describe(exc)}") from exc
-    return snap.final
+    def manifest(self, now: float) -> dict:
+        """What the snapshot holds, with the sha256 of every file (channels still open: left out)."""
+        left_out = dict(self.left_out)
+        for learner in sorted(self.open):
+            left_out[learner] = "no local state within the snapshot's wait limit"
+        digests = {self.syncer_file: self.syncer_sha256}
+        digests |= {s["file"]: s["sha256"] for s in self.states.values()}
+        for r in self.inflight:
+            for value in r["fields"].values():
+                if isinstance(value, dict) and "sha256" in value:
+                    digests[f"{INFLIGHT_DIR}/{value['sha256']}"] = value["sha256"]
+        return {
+            "format": FORMAT,
+            "snapshot": self.ident,
+            "syncer": self.syncer_file,
+            **self.meta,
+            "versions": list(self.versions),
+            "global_step": self.global_step,
+            "seconds": round(now - self.started_at, 3),
+            "learners": {str(k): v for k, v in sorted(self.states.items())},
+            "left_out": {str(k): v for k, v in sorted(left_out.items())},
+            "inflight": self.inflight,
+            "files": digests,
+        }
 
 
 @dataclass(frozen=True)
@@ -199,17 +190,23 @@ class Outcome:
     ident: int
     summary: dict | None
     error: SnapshotError | None
+    manifest: dict | None = None  # what was committed (None on failure)
 
 
 class Taker:
-    """At most one snapshot at a time, driven between two core events.
+    """The snapshot protocol: at most one snapshot at a time, driven between two core events.
 
     `start` records the syncer's state and names the learners to send a marker to; `record` sees every
     event the core handles after the cut; `local_state` and `timeout` close channels. Each of the last
-    two returns an `Outcome` when the snapshot ended with it."""
+    two returns an `Outcome` when the snapshot ended with it. The files go to a `SnapshotStore`
+    (a directory path makes a `DirectoryStore`; None: no snapshot can be taken). No clock is read
+    and no socket or thread is touched: the daemon's core thread and the chaos simulation drive it
+    alike."""
 
-    def __init__(self, root: Path | None, kept: int = SNAPSHOTS_KEPT_DEFAULT):
-        self.root, self.kept = root, kept
+    def __init__(self, store: SnapshotStore | Path | str | None, kept: int = SNAPSHOTS_KEPT_DEFAULT):
+        if isinstance(store, (str, os.PathLike)):
+            store = DirectoryStore(store, kept)
+        self.store: SnapshotStore | None = store
         self.taking: Snapshot | None = None
         self._next_ident = 1
 
@@ -217,7 +214,7 @@ class Taker:
         """Begin a snapshot (SnapshotError when none can be taken now): markers go to `learners`."""
         problem = (
             "no snapshot directory configured"
-            if self.root is None
+            if self.store is None
             else "the syncer holds no parameters yet"
             if not state.holds_parameters
             else f"snapshot {self.taking.ident} is still being taken"
@@ -227,20 +224,64 @@ class Taker:
         if problem:
             raise SnapshotError(f"no snapshot: {problem}")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
-        self.taking = begin(self.root, ident, state, learners, vclock, now)
+        chunks = checkpoint.to_chunks(state, run=NO_RUN)
+        syncer_file = checkpoint_name(NO_RUN, 1, state.merges, checkpoint.content_hash(chunks))
+        digest = hashlib.sha256()
+        for chunk in chunks:
+            digest.update(chunk)
+        name = f"snap-{state.merges:012d}-{ident:06d}"
+        try:
+            self.store.open(name)
+            self.store.put(syncer_file, chunks)
+        except OSError as exc:
+            self.store.abandon()
+            raise SnapshotError(f"snapshot {ident} not taken: {files.describe(exc)}") from exc
+        self.taking = Snapshot(
+            ident,
+            name,
+            syncer_file,
+            digest.hexdigest(),
+            tuple(f.version for f in state.fragments),
+            state.global_step,
+            dict(learners),
+            now,
+            open=set(learners),
+            meta={"syncer_state_hash": state_hash(state), "syncer_clock": dict(vclock), "merges": state.merges},
+        )
         return self.taking
 
     def record(self, event: ev.Event) -> str | None:
-        """The core takes `event`: channel state while its channel is open. A disk that fails abandons
+        """The core takes `event`: channel state while its channel is open. A store that fails abandons
         the snapshot (returned: why), never the event."""
-        if self.taking is None:
+        snap = self.taking
+        learner = getattr(event, "learner", None)
+        if snap is None or learner not in snap.open:
             return None
+        if isinstance(event, ev.Disconnect):
+            snap.open.discard(learner)
+            snap.left_out[learner] = f"left before its local state arrived ({event.reason})"
+            return None
+        fields = {}
         try:
-            record_inflight(self.taking, event)
+            for f in dataclasses.fields(event):
+                value = getattr(event, f.name)
+                if isinstance(value, codecs.Encoded):
+                    body = value.body  # scales then codes, as received
+                    sha = hashlib.sha256(body).hexdigest()
+                    self.store.put(f"{INFLIGHT_DIR}/{sha}", [body])
+                    value = {
+                        "codec": value.codec.value,
+                        "block": value.block,
+                        "elements": value.elements,
+                        "sha256": sha,
+                    }
+                elif isinstance(value, tuple):
+                    value = list(value)
+                fields[f.name] = value
         except OSError as exc:
-            snap, self.taking = self.taking, None
-            abandon(snap)
-            return f"snapshot {snap.ident} abandoned: {exc}"
+            self.abandon()
+            return f"snapshot {snap.ident} abandoned: {files.describe(exc)}"
+        snap.inflight.append({"learner": learner, "kind": type(event).__name__, "fields": fields})
         return None
 
     def local_state(
@@ -250,8 +291,8 @@ class Taker:
         snap = self.taking
         if snap is None or snap.ident != ident:
             return f"learner {learner}: a local state for snapshot {ident}, which is not being taken", None
-        problem = local_state(snap, learner, data, sha256)
-        return problem, (self._finish(now) if complete(snap) else None)
+        problem = self._keep_local_state(snap, learner, data, sha256)
+        return problem, (self._finish(now) if snap.complete else None)
 
     def timeout(self, ident: int, now: float) -> Outcome | None:
         """The wait limit of snapshot `ident` passed: the learners not in are left out."""
@@ -264,28 +305,43 @@ class Taker:
         if self.taking is None:
             return None
         snap, self.taking = self.taking, None
-        abandon(snap)
+        self.store.abandon()
         return snap.ident
+
+    def _keep_local_state(self, snap: Snapshot, learner: int, data: bytes, sha256: str) -> str | None:
+        if learner not in snap.open:
+            return f"learner {learner} is not a channel of snapshot {snap.ident} (joined after the cut, or already in)"
+        snap.open.discard(learner)
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha256:
+            snap.left_out[learner] = "its local state did not match its sha256 (damaged in transit)"
+            return f"learner {learner}: local state hashes {got[:16]}, the message says {sha256[:16]}"
+        name = f"learner-{learner}.ddls"
+        try:
+            self.store.put(name, [data])
+        except OSError as exc:  # the disk, not the learner: the snapshot goes on without this state
+            snap.left_out[learner] = f"its local state could not be written ({files.cause(exc)})"
+            return files.describe(exc)
+        snap.states[learner] = {"file": name, "bytes": len(data), "sha256": got, "name": snap.learners[learner]}
+        return None
 
     def _finish(self, now: float) -> Outcome:
         snap, self.taking = self.taking, None
+        manifest = snap.manifest(now)
         try:
-            path = finish(snap, now, self.kept)
-        except SnapshotError as exc:
-            abandon(snap)
-            return Outcome(snap.ident, None, exc)
+            where = self.store.commit(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+        except OSError as exc:
+            self.store.abandon()
+            error = SnapshotError(f"cannot complete snapshot {snap.ident}: {files.describe(exc)}")
+            return Outcome(snap.ident, None, error)
         summary = {
             "snapshot": snap.ident,
-            "directory": str(path),
+            "directory": where,
             "learners": len(snap.states),
             "inflight": len(snap.inflight),
-            "left_out": {str(k): v for k, v in snap.left_out.items()},
+            "left_out": manifest["left_out"],
         }
-        return Outcome(snap.ident, summary, None)
-
-
-def abandon(snap: Snapshot) -> None:
-    shutil.rmtree(snap.directory, ignore_errors=True)
+        return Outcome(snap.ident, summary, None, manifest)
 
 
 def read(directory: Path | str) -> dict:
@@ -327,9 +383,3 @@ def _sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _prune(root: Path, kept: int) -> None:
-    done = sorted(p for p in root.glob("snap-*") if (p / MANIFEST).exists())
-    for old in done[:-kept]:
-        shutil.rmtree(old, ignore_errors=True)
