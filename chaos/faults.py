@@ -49,10 +49,17 @@ class ChaosConfig:
     rejoin_s_max: float = 15.0  # virtual seconds every learner gets to rejoin after healing
     events_max: int = 400_000  # actions per seed before the run is declared runaway
     client_as_is: bool = False  # learners send an old session's queued messages (learner.py)
+    # learners send progress ahead of a local state still queued, as net/client.py's control-first
+    # order does (learner.py); off, the local state is a barrier on its connection
+    local_state_as_is: bool = False
+    # a consistent snapshot (net.snapshot) every this many virtual seconds of the safety phase; 0: none
+    snapshot_every_s: float = 3.0
 
     def __post_init__(self) -> None:
         if not (self.safety_s > FAULTS_START_S and self.fault_s_max > 0 and self.rejoin_s_max > 0):
             raise ValueError(f"safety_s must exceed {FAULTS_START_S} s and durations be positive: {self}")
+        if self.snapshot_every_s < 0:
+            raise ValueError(f"snapshot_every_s must be >= 0: {self}")
         if self.faults_max < 0 or self.liveness_periods < 1 or self.events_max < 1000:
             raise ValueError(f"faults_max >= 0, liveness_periods >= 1 and events_max >= 1000 needed: {self}")
 

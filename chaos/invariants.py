@@ -27,23 +27,32 @@ kept with the virtual time and a description; the run stops there.
   needs_init), and the syncer's copy equals what that learner sent.
 - caught_up: a learner turns live only while it holds a received version of every fragment in its
   current session (a learner that is behind has weight 0 until then).
+- snapshot: a consistent snapshot (net.snapshot) holds the syncer's state at the cut, every channel
+  of the cut either recorded or left out; on a channel that kept TCP's order, the learner's local
+  state holds no version made after the cut, and the messages of it the core took before the cut
+  plus those recorded in flight are exactly the messages the learner had sent when it recorded its
+  state (none lost, none from after its cut: Chandy-Lamport's channel state).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
-from ddiloco.core.events import Effect, Event, InitFragment, Merged, Push, SendWelcome
+from ddiloco.chaos.network import Connection
+from ddiloco.core import checkpoint
+from ddiloco.core.events import Effect, Event, InitFragment, Merged, Progress, Push, SendWelcome
 from ddiloco.core.ledger import FATES
-from ddiloco.core.syncer import STALENESS_MAX, LearnerStatus, SyncerState
+from ddiloco.core.syncer import STALENESS_MAX, LearnerStatus, SyncerState, state_hash
 from ddiloco.core.weights import token_weight
 
-INVARIANTS = ("versions_grow", "quorum", "weights", "finite", "ledger", "fresh_weights", "caught_up")
+INVARIANTS = ("versions_grow", "quorum", "weights", "finite", "ledger", "fresh_weights", "caught_up", "snapshot")
 BOUND_FACTOR = 100.0  # the parameter bound, in multiples of the largest initial value
 BOUND_MIN = 100.0
 WEIGHT_TOLERANCE = 1e-9
@@ -54,6 +63,15 @@ class Violation:
     invariant: str  # one of INVARIANTS
     detail: str
     at: float  # virtual time
+
+
+@dataclass(frozen=True)
+class _Cut:
+    ident: int
+    versions: tuple[int, ...]  # the syncer's, at the cut
+    state_hash: str
+    channels: dict[int, Connection]  # learner id -> its connection at the cut
+    taken: dict[int, int]  # learner id -> its messages the core had taken at the cut
 
 
 def digest(values: np.ndarray) -> str:
@@ -88,6 +106,10 @@ class Checker:
         self._bound: float | None = None
         self._checkpoint: tuple | None = None  # what the last checkpoint held (checkpointed)
         self.merges_checked = 0
+        self._taken: Counter[int] = Counter()  # learner -> its messages the core took (progress, push, init)
+        self._cut: _Cut | None = None  # the snapshot being taken, as seen at its cut
+        self.snapshots_checked = 0
+        self.channels_checked = 0  # learner states of a snapshot held to the cut (on an ordered channel)
 
     @property
     def ok(self) -> bool:
@@ -104,6 +126,8 @@ class Checker:
         if self._versions is None:
             self._snapshot(state)
         self._note_event(state, event)
+        if isinstance(event, (Progress, Push, InitFragment)):
+            self._taken[event.learner] += 1
         merged = {e.fragment: e for e in effects if isinstance(e, Merged)}
         for e in effects:
             if isinstance(e, SendWelcome) and e.needs_init:
@@ -162,6 +186,7 @@ class Checker:
         self._check_ledger(state, now)
         self._waiting.clear()
         self._asked_init.clear()
+        self._taken.clear()  # every learner rejoins, under an id a crashed syncer may hand out again
         self._snapshot(state)
 
     def sent(self, fragment: int, version: int, codec: str, values: np.ndarray, now: float) -> None:
@@ -170,6 +195,53 @@ class Checker:
         known = self._sent.setdefault(key, d)
         if known != d:
             self.fail("versions_grow", f"fragment {fragment} version {version} was sent with two different values", now)
+
+    def snapshot_started(self, ident: int, state: SyncerState, channels: Mapping[int, Connection], now: float) -> None:
+        """A snapshot's cut, between two core events: markers go to the learners of `channels`."""
+        versions = tuple(f.version for f in state.fragments)
+        taken = {m: self._taken[m] for m in channels}
+        self._cut = _Cut(ident, versions, state_hash(state), dict(channels), taken)
+
+    def snapshot_abandoned(self) -> None:
+        self._cut = None
+
+    def snapshot_complete(self, manifest: dict, files: Mapping[str, bytes], now: float) -> None:
+        """A snapshot ended: `manifest` and its `files` (name -> bytes) as the syncer stored them."""
+        cut, self._cut = self._cut, None
+        self.snapshots_checked += 1
+        if cut is None or manifest["snapshot"] != cut.ident:
+            self.fail("snapshot", f"snapshot {manifest['snapshot']} completed, but no cut of it was seen", now)
+            return
+        where = f"snapshot {cut.ident}"
+        if state_hash(checkpoint.restore(files[manifest["syncer"]])) != cut.state_hash:
+            self.fail("snapshot", f"{where}: the syncer state it holds is not the state at the cut", now)
+        recorded = {int(k) for k in manifest["learners"]} | {int(k) for k in manifest["left_out"]}
+        if recorded != set(cut.channels) or set(manifest["learners"]) & set(manifest["left_out"]):
+            self.fail(
+                "snapshot", f"{where}: channels {sorted(cut.channels)}, but in or left out {sorted(recorded)}", now
+            )
+        inflight = Counter(r["learner"] for r in manifest["inflight"])
+        for key, entry in manifest["learners"].items():
+            m, local = int(key), orjson.loads(files[entry["file"]])
+            if local["learner"] != m:
+                self.fail("snapshot", f"{where}: learner {m}'s file holds the state of learner {local['learner']}", now)
+                continue
+            if m not in cut.channels or not cut.channels[m].ordered:
+                continue  # (not a channel: failed above) a reorder or duplicate fault lifted the FIFO order the protocol stands on
+            self.channels_checked += 1
+            if any(v > c for v, c in zip(local["versions"], cut.versions)):
+                self.fail(
+                    "snapshot",
+                    f"{where}: learner {m} holds versions {local['versions']}, made after the cut at {list(cut.versions)}",
+                    now,
+                )
+            elif cut.taken[m] + inflight[m] != local["sent"]:
+                self.fail(
+                    "snapshot",
+                    f"{where}: learner {m} had sent {local['sent']} messages at its cut; the core took "
+                    f"{cut.taken[m]} before the syncer's and {inflight[m]} are recorded in flight",
+                    now,
+                )
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 

@@ -21,16 +21,27 @@ It behaves like `learner/sync.py` on top of `net/client.py`, message for message
   sends it, and the syncer then takes the old session's versions for the new one: it turns a learner
   live that holds nothing yet and books the old tokens twice. `client_as_is=True` reproduces that
   (docs/chaos-sim.md);
+- a second deliberate difference, `local_state_as_is=False`: a local state is a barrier on its
+  connection, so that nothing the learner sends after its cut arrives before it. net/client.py sends
+  queued progress (control) ahead of queued bulk frames, a local state's included, so a report of a
+  later step can reach the syncer before the state and be recorded as in flight: a message from
+  after the learner's cut in the snapshot. `local_state_as_is=True` reproduces that;
+- consistent snapshots (net.snapshot): the client holds back what arrives after a marker until the
+  training loop has taken the marker; at the end of that step the hook sends its local state (its
+  learner id, step, versions, counters, and how many messages it has put on the connection) behind
+  everything it sent before, as learner/sync.py does;
 - faults: `crash` (the process dies, its connection resets), `restart` (a new process), `pause`
   (the process is stopped: it neither trains nor reads, the socket stays up).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from ddiloco.chaos.network import (
     UP,
@@ -82,6 +93,8 @@ class Inbox:
     session: int | None = None  # the learner id of the latest welcome
     updates: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
+    markers: list = field(default_factory=list)  # snapshot ids the training loop has not taken yet
+    held: list = field(default_factory=list)  # updates that arrived after a marker, for the step after it
 
 
 class SimLearner:
@@ -94,6 +107,7 @@ class SimLearner:
         scheduler: Scheduler,
         network: Network,
         client_as_is: bool = False,
+        local_state_as_is: bool = False,
     ):
         self.index = index
         self.profile = profile
@@ -102,6 +116,7 @@ class SimLearner:
         self.scheduler = scheduler
         self.network = network
         self.client_as_is = client_as_is
+        self.local_state_as_is = local_state_as_is
         self.incarnation = -1
         self.alive = False
         self.paused_until = 0.0
@@ -207,15 +222,23 @@ class SimLearner:
             if not self.started:
                 self._begin(body)
         elif message.kind == "update":
-            current = self.inbox.updates.get(body["fragment"])
-            if current is None or body["version"] >= current["version"]:
-                self.inbox.updates[body["fragment"]] = body
+            if self.inbox.markers:  # after a marker: not part of the state the snapshot records
+                self.inbox.held.append(body)
+            else:
+                self._arrived(body)
+        elif message.kind == "marker":
+            self.inbox.markers.append(body["snapshot"])
         elif message.kind == "error":
             self.inbox.errors.append(body)
             if body["fatal"]:
                 self.refused = f"{body['code']}: {body['text']}"
                 self.network.reset(conn, "refused")
                 self.conn = None
+
+    def _arrived(self, update: dict) -> None:
+        current = self.inbox.updates.get(update["fragment"])
+        if current is None or update["version"] >= current["version"]:
+            self.inbox.updates[update["fragment"]] = update
 
     def _send(self, message: Message) -> None:
         """The hook hands a message to the client, tagged with the session the hook is in."""
@@ -224,7 +247,7 @@ class SimLearner:
             self._put(item)
         elif message.kind == "progress":
             self.out_progress.append(item)
-        elif message.kind == "init" or len(self.out_bulk) < PUSHES_QUEUED_MAX:
+        elif message.kind in ("init", "local_state") or len(self.out_bulk) < PUSHES_QUEUED_MAX:
             self.out_bulk.append(item)
 
     def _flush(self) -> None:
@@ -302,17 +325,37 @@ class SimLearner:
                 arrived[q] = update
         for q, update in sorted(arrived.items()):
             self._apply(q, update)
-        if self.quiet:
-            self._later(self._step_time(), f"learner {self.index} steps", self._step)
-            return
-        progress = {
-            "step": self.step_count,
-            "versions": tuple(self.versions),
-            "steps": tuple(self.steps),
-            "tokens": tuple(self.tokens),
-        }
-        self._send(Message("progress", progress, CONTROL_BYTES + 24 * len(self.steps)))
+        if not self.quiet:
+            progress = {
+                "step": self.step_count,
+                "versions": tuple(self.versions),
+                "steps": tuple(self.steps),
+                "tokens": tuple(self.tokens),
+            }
+            self._send(Message("progress", progress, CONTROL_BYTES + 24 * len(self.steps)))
+        self._answer_markers()
         self._later(self._step_time(), f"learner {self.index} steps", self._step)
+
+    def _answer_markers(self) -> None:
+        """The step boundary is the learner's cut: its local state goes out behind what it sent, and
+        what arrived after the marker is the next step's."""
+        markers, self.inbox.markers = self.inbox.markers, []
+        for snapshot in markers:
+            state = {
+                "learner": self.learner_id,
+                "step": self.step_count,
+                "versions": list(self.versions),
+                "steps": list(self.steps),
+                "tokens": list(self.tokens),
+                "sent": self.conn.sent_up if self.conn is not None else 0,
+            }
+            data = orjson.dumps(state)
+            body = {"snapshot": snapshot, "data": data, "sha256": hashlib.sha256(data).hexdigest()}
+            barrier = not self.local_state_as_is
+            self._send(Message("local_state", body, CONTROL_BYTES + len(data), bulk=True, barrier=barrier))
+        held, self.inbox.held = self.inbox.held, []
+        for update in held:
+            self._arrived(update)
 
     def _train(self) -> int:
         """One inner step: a pull toward this learner's target plus noise. Returns its tokens."""

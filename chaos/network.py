@@ -51,13 +51,15 @@ class LinkProfile:
 
 @dataclass(frozen=True)
 class Message:
-    kind: str  # hello | progress | push | init | welcome | request | update | error
+    kind: str  # hello | progress | push | init | local_state | welcome | update | error | marker
     body: Any
     nbytes: int
     bulk: bool = False
+    barrier: bool = False  # nothing sent after it in its direction arrives before it, control included
 
 
 UP, DOWN = "up", "down"  # learner -> syncer, syncer -> learner
+CORE_KINDS = ("progress", "push", "init")  # what the syncer's core takes from a learner
 _NEVER_DUPLICATED = ("hello", "welcome")
 
 
@@ -112,6 +114,8 @@ class Connection:
     open: bool = True
     last_due: dict[tuple[str, bool], float] = field(default_factory=dict)  # FIFO per (direction, bulk)
     welcome_due: float = 0.0  # when the latest welcome arrives: nothing sent after it arrives before
+    sent_up: int = 0  # messages the syncer's core takes (progress, push, init) put on it by the learner
+    ordered: bool = True  # no message on it was reordered or duplicated: a snapshot's channel is FIFO
 
 
 class Network:
@@ -147,6 +151,10 @@ class Network:
             return  # the sender has not noticed the reset yet; nothing leaves a dead socket
         faults = self.faults[conn.learner]
         self.messages_sent += 1
+        if direction == UP and message.kind in CORE_KINDS:
+            conn.sent_up += 1
+        if faults.reorder_s or faults.duplicate_p:  # TCP's order (or once-only) promise lifted on it
+            conn.ordered = False
         if faults.drop_p and self.rng.random() < faults.drop_p:
             self.reset(conn, f"{message.kind} lost on the wire")
             return
@@ -180,6 +188,9 @@ class Network:
             if message.kind == "welcome":
                 conn.welcome_due = due
         conn.last_due[key] = max(due, conn.last_due.get(key, 0.0))
+        if message.barrier:
+            for k in ((direction, False), (direction, True)):
+                conn.last_due[k] = max(due, conn.last_due.get(k, 0.0))
         return due
 
     def _deliver(self, conn: Connection, direction: str, message: Message) -> None:

@@ -3,7 +3,8 @@
     result = run_seed(17)
 
 Safety phase, `[0, safety_s)`: the plan's faults hit learners, links and the syncer while the
-checker (invariants.py) watches every core step; the first violation ends the run.
+checker (invariants.py) watches every core step and every consistent snapshot (one every
+`snapshot_every_s`, net.snapshot's protocol); the first violation ends the run.
 
 Liveness phase: at `safety_s` everything heals (links, partitions; dead learners start again; a
 stopped syncer resumes). Then:
@@ -53,6 +54,8 @@ class Result:
     actions: int  # simulator actions (deliveries, steps, timers, faults)
     merges: int
     faults: int
+    snapshots: int  # consistent snapshots completed and checked
+    snapshot_channels: int  # learner states in them held to the cut (on channels that kept their order)
     trace_hash: str
     state_hash: str
     trace_tail: tuple[str, ...]
@@ -75,7 +78,16 @@ class World:
         self.scheduler = Scheduler()
         self.network = Network(self.scheduler, np.random.default_rng(net_seed), tuple(p.link for p in plan.learners))
         self.learners = [
-            SimLearner(i, p, plan.tensors, plan.seed, self.scheduler, self.network, config.client_as_is)
+            SimLearner(
+                i,
+                p,
+                plan.tensors,
+                plan.seed,
+                self.scheduler,
+                self.network,
+                config.client_as_is,
+                local_state_as_is=config.local_state_as_is,
+            )
             for i, p in enumerate(plan.learners)
         ]
         self.checker = Checker(plan.syncer.quorum, self._tokens_trained, self._holds_all, self._counted)
@@ -137,6 +149,10 @@ class World:
         for fault in self.plan.faults:
             self.scheduler.at(fault.at, f"fault {fault.kind}", lambda f=fault: self._apply(f))
         self.scheduler.at(self.config.safety_s, "heal", self._heal)
+        every = self.config.snapshot_every_s
+        for k in range(1, int(self.config.safety_s / every) + 1 if every else 0):
+            if k * every < self.config.safety_s:
+                self.scheduler.at(k * every, "snapshot", self.syncer.take_snapshot)
         for learner in self.learners:
             learner.start()
         try:
@@ -284,6 +300,8 @@ def run_seed(seed: int, config: ChaosConfig | None = None, echo: Callable[[str],
         actions=world.scheduler.actions_run,
         merges=state.merges,
         faults=len(plan.faults),
+        snapshots=world.checker.snapshots_checked,
+        snapshot_channels=world.checker.channels_checked,
         trace_hash=world._hash.hexdigest(),
         state_hash=syncer.state_hash(state) if state.layout is not None else "",
         trace_tail=tuple(world.tail),

@@ -9,15 +9,20 @@ connection after its queued control messages; WriteCheckpoint keeps the checkpoi
 after an event that merged, a MergeCost event follows with the (simulated) time the merge took; a
 reset connection becomes a Disconnect of its learner.
 
+A consistent snapshot runs the daemon's own protocol, `net.snapshot.Taker`, with its files kept in
+memory: the cut between two core events, a marker (a control message) to every connected learner,
+every core event of a channel recorded until that learner's local state arrives, the learners that
+do not answer within the wait left out. The checker is shown the cut and every snapshot completed.
+
 A restart is the daemon's `stop` then `--resume`: every connection closes (no Disconnect reaches
-the core, as in `stop`), a last checkpoint is taken, and after a downtime a new process restores it.
-A crash is the same without the last checkpoint: the new process restores the last periodic one
-(or starts empty if there is none).
+the core, as in `stop`), a last checkpoint is taken, and after a downtime a new process restores it;
+a snapshot being taken is abandoned. A crash is the same without the last checkpoint: the new
+process restores the last periodic one (or starts empty if there is none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -39,9 +44,35 @@ from ddiloco.core.events import (
     SendError,
     SendWelcome,
 )
+from ddiloco.net import snapshot as snapshots
 from ddiloco.net.shell import Control, Shell
 
 MERGE_COST_S = (0.0005, 0.005)  # the simulated time one merge takes, drawn uniformly
+SNAPSHOT_WAIT_S = 2.0  # how long a snapshot waits for the learners' local states (virtual seconds)
+
+
+class SnapshotMemory:
+    """A `net.snapshot.SnapshotStore` in memory: the open snapshot's files, then the last complete one."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.files: dict[str, bytes] = {}
+        self.complete: dict[str, bytes] = {}  # the last committed snapshot's files, its manifest included
+
+    def open(self, name: str) -> None:
+        self.name, self.files = name, {}
+
+    def put(self, name: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        assert self.name is not None, "no snapshot is open"
+        self.files[name] = b"".join(bytes(p) for p in parts)
+
+    def commit(self, manifest: bytes) -> str:
+        self.complete = {**self.files, snapshots.MANIFEST: manifest}
+        name, self.name, self.files = self.name, None, {}
+        return name
+
+    def abandon(self) -> None:
+        self.name, self.files = None, {}
 
 
 class SimSyncer:
@@ -62,7 +93,12 @@ class SimSyncer:
         self.rng = rng
         self.checker = checker
         self.trace = trace
-        self.shell = Shell(syncer.new_state(config), self, merge_cost=self._merge_cost, observe=self._observe)
+        self.shell = Shell(
+            syncer.new_state(config), self, merge_cost=self._merge_cost, before=self._before, observe=self._observe
+        )
+        self.snapshot_files = SnapshotMemory()
+        self.snapshots = snapshots.Taker(self.snapshot_files)
+        self.snapshots_taken = 0
         self.up = True
         self._seen: dict[int, Connection] = {}  # connection id -> connection, while the shell holds it open
         self.checkpoint: bytes | None = None
@@ -90,6 +126,9 @@ class SimSyncer:
         if conn.id not in self._seen:
             self._seen[conn.id] = conn
             self.shell.opened(conn.id)
+        if message.kind == "local_state":  # the snapshot's, not the core's (as net.server does)
+            self._local_state(conn, message.body)
+            return
         event = self._event_for(conn, message)
         if event is not None:
             self.handle(event)
@@ -130,6 +169,10 @@ class SimSyncer:
 
     def handle(self, event: Event) -> None:
         self.shell.handle(event, self.scheduler.now)
+
+    def _before(self, event: Event, now: float) -> None:
+        problem = self.snapshots.record(event)  # after the cut, before the learner's local state: in flight
+        assert problem is None, problem  # memory does not fail
 
     def _observe(self, event: Event, effects: list[Effect], state: syncer.SyncerState, now: float) -> None:
         self.trace(
@@ -211,6 +254,49 @@ class SimSyncer:
             self.checkpoints += 1
             self.checker.checkpointed(self.state)
 
+    # ---- consistent snapshots (net.snapshot) ------------------------------------------------------
+
+    def take_snapshot(self) -> None:
+        """Start a snapshot between two core events, as the daemon's timer does."""
+        state, now = self.state, self.scheduler.now
+        if not self.up or not state.holds_parameters or self.snapshots.taking is not None:
+            return
+        channels = {m: self._seen[c] for m, c in sorted(self.shell.conn_of.items()) if m in state.learners}
+        snap = self.snapshots.start(state, {m: state.learners[m].name for m in channels}, {}, now)
+        self.checker.snapshot_started(snap.ident, state, channels, now)
+        self.trace(f"{now:.6f} snapshot {snap.ident} started: markers to learners {sorted(channels)}")
+        for conn in channels.values():
+            self.network.send(conn, DOWN, Message("marker", {"snapshot": snap.ident}, CONTROL_BYTES))
+        ident = snap.ident
+        self.scheduler.after(
+            SNAPSHOT_WAIT_S,
+            f"snapshot {ident} wait ends",
+            lambda: self._snapshot_ended(self.snapshots.timeout(ident, self.scheduler.now)),
+        )
+
+    def _local_state(self, conn: Connection, body: dict) -> None:
+        learner = self.shell.learner_on(conn.id)
+        if learner is None:
+            return
+        problem, outcome = self.snapshots.local_state(
+            learner, body["snapshot"], body["data"], body["sha256"], self.scheduler.now
+        )
+        if problem:
+            self.trace(f"{self.scheduler.now:.6f} snapshot: {problem}")
+        self._snapshot_ended(outcome)
+
+    def _snapshot_ended(self, outcome: snapshots.Outcome | None) -> None:
+        if outcome is None:
+            return
+        assert outcome.error is None, outcome.error  # memory does not fail
+        m = outcome.manifest
+        self.snapshots_taken += 1
+        self.trace(
+            f"{self.scheduler.now:.6f} snapshot {m['snapshot']} complete: learners {sorted(int(k) for k in m['learners'])}, "
+            f"{len(m['inflight'])} in flight, left out {sorted(int(k) for k in m['left_out'])}"
+        )
+        self.checker.snapshot_complete(m, self.snapshot_files.complete, self.scheduler.now)
+
     # ---- restart ---------------------------------------------------------------------------------
 
     def stop(self, crash: bool = False) -> None:
@@ -222,6 +308,8 @@ class SimSyncer:
         self.network.syncer_up = False
         if not crash:
             self._keep_checkpoint()
+        if self.snapshots.abandon() is not None:
+            self.checker.snapshot_abandoned()
         self.shell.reset()  # forgets the connections and cancels the timers of this process
         self._seen.clear()
         self.network.reset_all("syncer shutting down")

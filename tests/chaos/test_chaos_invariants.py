@@ -3,16 +3,22 @@
 The histories start from a real syncer core driven to two live learners; then an effect or a state
 change that a broken core could produce is fed to the checker, which must name the invariant."""
 
+import hashlib
+
 import numpy as np
+import orjson
 import pytest
 
 from ddiloco.chaos.invariants import Checker
+from ddiloco.chaos.network import Connection
+from ddiloco.chaos.shell import SnapshotMemory
 from ddiloco.core import checkpoint, codec, syncer
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import InitFragment, Join, Merged, Progress, Push, SendWelcome
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.syncer import LearnerStatus
+from ddiloco.net import snapshot as snapshots
 
 TENSORS = (TensorSpec("a", (4, 8)), TensorSpec("b", (16,)))
 
@@ -242,3 +248,41 @@ def test_parameters_from_no_checkpoint_are_caught():
     state = syncer.new_state(h.state.config, h.state.layout, [f.theta.copy() for f in h.state.fragments])
     h.checker.after_restart(state, 1.0)
     assert h.checker.violation.invariant == "versions_grow"
+
+
+@pytest.mark.parametrize(
+    "tamper", [None, "message_after_its_cut", "version_after_the_cut", "syncer_state", "unordered"]
+)
+def test_a_snapshot_must_be_a_consistent_cut(tamper):
+    """The daemon's snapshot protocol (net.snapshot.Taker) over the real core, its files in memory:
+    learner 1 has a progress report in flight at the cut, learner 2 nothing."""
+    h = History().two_live()  # the core took learner 1's InitFragment and learner 2's Progress
+    memory = SnapshotMemory()
+    taker = snapshots.Taker(memory)
+    channels = {1: Connection(1, 0), 2: Connection(2, 1)}
+    snap = taker.start(h.state, {1: "a", 2: "b"}, {}, now=h.now)
+    h.checker.snapshot_started(snap.ident, h.state, channels, h.now)
+    in_flight = h.progress(1, 1)
+    assert taker.record(in_flight) is None
+    h.send(in_flight)
+    sent = {1: 2, 2: 1}  # what each learner had put on its connection when it recorded its state
+    versions = {1: [0], 2: [0]}
+    if tamper == "message_after_its_cut":  # the report left learner 1 after its local state
+        sent[1] = 1
+    elif tamper == "version_after_the_cut":
+        versions[2] = [1]
+    elif tamper == "syncer_state":  # the state after the report, not at the cut
+        memory.files[snap.syncer_file] = b"".join(bytes(c) for c in checkpoint.to_chunks(h.state))
+    elif tamper == "unordered":  # a reorder fault lifted FIFO on learner 1's link: its channel is not judged
+        channels[1].ordered = False
+        sent[1] = 1
+    outcome = None
+    for m in (1, 2):
+        data = orjson.dumps({"learner": m, "versions": versions[m], "sent": sent[m]})
+        problem, outcome = taker.local_state(m, snap.ident, data, hashlib.sha256(data).hexdigest(), h.now)
+        assert problem is None
+    assert outcome.manifest["inflight"][0]["learner"] == 1
+    h.checker.snapshot_complete(outcome.manifest, memory.complete, h.now)
+    expected = None if tamper in (None, "unordered") else "snapshot"
+    assert (h.checker.violation and h.checker.violation.invariant) == expected
+    assert h.checker.channels_checked == (1 if tamper == "unordered" else 2)
