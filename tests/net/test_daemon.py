@@ -22,6 +22,8 @@ from ddiloco.net import session, store, wire
 from ddiloco.net.client import ClientConfig, SyncerClient, SyncerRefused
 from ddiloco.net.server import ServerConfig, SyncerServer
 
+from ..waiting import steps_until, until
+
 TOKEN = "test-token-0123456789abcdef"
 TENSORS = (
     TensorSpec("embed", (64, 8), embedding=True),
@@ -30,16 +32,6 @@ TENSORS = (
     TensorSpec("head", (8, 16)),
 )
 SMALL = wire.WireLimits(frame_bytes_max=1024)  # small frames: every push is several frames
-
-
-async def until(predicate, timeout_s=10.0, what="condition"):
-    """Wait on a condition (never a bare sleep to 'let things happen')."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class Syncer:
@@ -140,6 +132,11 @@ async def train(server, learners, steps):
         for lr in learners:
             lr.answer()
         await asyncio.sleep(0.01)
+
+
+async def train_until(server, learners, merges):
+    """Train step by step until the daemon has merged `merges` times (bounded, never a fixed count)."""
+    await steps_until(lambda: train(server, learners, 1), lambda: server.state.merges >= merges, f"{merges} merges")
 
 
 async def two_learners(s):

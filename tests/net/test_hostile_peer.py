@@ -26,6 +26,8 @@ from ddiloco.net.client import ClientConfig, SyncerClient
 from ddiloco.net.fuzz import raw_frames
 from ddiloco.net.server import ServerConfig, SyncerServer
 
+from ..waiting import steps_until, until
+
 TOKEN = "test-token-0123456789abcdef"
 TENSORS = (
     TensorSpec("embed", (64, 8), embedding=True),
@@ -33,15 +35,7 @@ TENSORS = (
     TensorSpec("head", (8, 16)),
 )
 LIMITS = wire.WireLimits(frame_bytes_max=1024)
-
-
-async def until(predicate, what: str, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+WAIT_S = 20.0  # a bound on each wait, never a timing that is asserted
 
 
 class Daemon:
@@ -66,13 +60,13 @@ class Daemon:
         self.task = asyncio.create_task(self.client.run())
         await asyncio.wait_for(self.client.welcomed.wait(), 20)
         self.rng = np.random.default_rng(0)
-        await until(lambda: self.server.state.layout is not None, "the layout")
+        await until(lambda: self.server.state.layout is not None, WAIT_S, "the layout")
         self.sizes = [f.padded_size for f in self.server.state.layout.fragments]
         for p, n in enumerate(self.sizes):
             self.client.queue_init(p, codec.encode(self.rng.standard_normal(n).astype(np.float32), "fp32"))
         self.versions = [0] * len(self.sizes)
         self.step = 0
-        await until(lambda: self.server.state.holds_parameters, "the initial parameters")
+        await until(lambda: self.server.state.holds_parameters, WAIT_S, "the initial parameters")
         self.http = aiohttp.ClientSession()
         self.ws = await self.http.ws_connect(
             self.url, headers={"Authorization": f"Bearer {TOKEN}"}, max_msg_size=LIMITS.max_msg_size
@@ -92,25 +86,25 @@ class Daemon:
         """The honest learner trains until a round merges its push: the core lives and serves it."""
         state = self.server.state
         before = state.merges
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while state.merges <= before:
-            assert loop.time() < deadline, "no merge after the hostile message"
-            box = self.client.inbox
-            for p, chain in list(box.updates.items()):
-                self.versions[p] = chain[-1].version
-            box.updates.clear()
-            self.step += 1
-            n = len(self.sizes)
-            self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (64,) * n))
-            welcome = box.welcome  # the fragments due at this step (protocol 2: nobody asks)
-            for p in (q for q, t in enumerate(welcome.offsets) if self.step % welcome.period == t):
-                vec = self.rng.standard_normal(self.sizes[p]).astype(np.float32) * 0.01
-                push = Push(0, p, self.step, self.versions[p], 1, 64, codec.parse(codec.encode(vec, "int4")))
-                self.client.queue_push(push)
-            await asyncio.sleep(0.02)
+        await steps_until(self._train_step, lambda: state.merges > before, "merge after the hostile message", 30)
         async with self.http.get(f"http://127.0.0.1:{self.server.port}/healthz") as answer:
             assert answer.status == 200
+
+    async def _train_step(self) -> None:
+        """One step of the honest learner: take what arrived, report, push the fragments due."""
+        box = self.client.inbox
+        for p, chain in list(box.updates.items()):
+            self.versions[p] = chain[-1].version
+        box.updates.clear()
+        self.step += 1
+        n = len(self.sizes)
+        self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (64,) * n))
+        welcome = box.welcome  # the fragments due at this step (protocol 2: nobody asks)
+        for p in (q for q, t in enumerate(welcome.offsets) if self.step % welcome.period == t):
+            vec = self.rng.standard_normal(self.sizes[p]).astype(np.float32) * 0.01
+            push = Push(0, p, self.step, self.versions[p], 1, 64, codec.parse(codec.encode(vec, "int4")))
+            self.client.queue_push(push)
+        await asyncio.sleep(0.02)
 
     async def send(self, kind: msg.Kind, meta: dict, payload: bytes = b"", *, frames_max: int | None = None) -> None:
         self.ids += 1
@@ -252,7 +246,9 @@ async def test_a_push_with_a_negative_block_scale_is_refused_as_bad_shape(name):
                 "clock": {"hostile": 2},
             },
         )
-        await until(lambda: d.server.state.learners[2].status is syncer.LearnerStatus.LIVE, "the hostile peer live")
+        await until(
+            lambda: d.server.state.learners[2].status is syncer.LearnerStatus.LIVE, WAIT_S, "the hostile peer live"
+        )
         await d.merges_go_on()
         fragment = 0
         raw = bytearray(codec.encode(np.full(d.sizes[fragment], 0.01, dtype=np.float32), name))

@@ -18,17 +18,10 @@ from ddiloco.net import recording, session, wire
 from ddiloco.net.client import ClientConfig, SyncerClient
 from ddiloco.net.server import ServerConfig, SyncerServer
 
+from ..waiting import steps_until, until
+
 TENSORS = (TensorSpec("embed", (32, 8), embedding=True), TensorSpec("w", (8, 32)))  # 512 parameters
 SMALL = wire.WireLimits(frame_bytes_max=1024)
-
-
-async def until(predicate, timeout_s=20.0, what="condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class Learner:
@@ -73,11 +66,13 @@ class Learner:
 
 
 async def train_until(server, learners, merges):
-    while server.state.merges < merges:
+    async def step():
         for lr in learners:
             lr.tick()
         await until(lambda: server.core.empty(), what="the core to drain")
         await asyncio.sleep(0.01)  # let this step's pushes arrive
+
+    await steps_until(step, lambda: server.state.merges >= merges, f"{merges} merges")
 
 
 async def test_a_recorded_run_with_a_kill_replays_bit_identically(tmp_path, capsys):
@@ -135,14 +130,15 @@ def test_replay_of_a_bad_tape_exits_non_zero_with_the_reason(tmp_path, capsys):
     assert "not a ddiloco tape" in capsys.readouterr().err
 
 
-MERGE_WAIT_S = 120.0  # generous: under CI load the first merge of a fresh daemon took over 30 ticks
-
-
 async def syncer_merges(http: aiohttp.ClientSession, port: int) -> int:
     """The daemon's own count of merges, from its read-only /status."""
     async with http.get(f"http://127.0.0.1:{port}/status") as response:
         assert response.status == 200, f"/status answered {response.status}"
         return (await response.json())["merges"]
+
+
+async def syncer_merges_at_least(http: aiohttp.ClientSession, port: int, merges: int) -> bool:
+    return await syncer_merges(http, port) >= merges
 
 
 async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, capsys):
@@ -179,14 +175,15 @@ async def test_ddiloco_syncer_record_flag_writes_a_tape_that_replays(tmp_path, c
             port = int(m.group(1)) if m else None
         a = Learner(f"ws://127.0.0.1:{port}/ws", "a", 1)
         await a.welcome()
+
         # Train until the daemon says it merged (a loaded machine may need many ticks for the first
         # merge), so that the tape has a merge for the replay to check.
+        async def tick():
+            a.tick()
+            await asyncio.sleep(0.02)  # a step's time: this tick's pushes arrive
+
         async with aiohttp.ClientSession() as http:
-            deadline = loop.time() + MERGE_WAIT_S
-            while await syncer_merges(http, port) < 1:
-                assert loop.time() < deadline, f"the syncer merged nothing within {MERGE_WAIT_S} s of ticks"
-                a.tick()
-                await asyncio.sleep(0.02)  # a step's time: this tick's pushes arrive
+            await steps_until(tick, lambda: syncer_merges_at_least(http, port, 1), "merge the daemon reports")
         await a.kill()
     finally:
         proc.send_signal(signal.SIGTERM)

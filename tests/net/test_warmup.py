@@ -23,6 +23,8 @@ from ddiloco.net.client import ClientConfig, SyncerClient
 from ddiloco.net.server import ServerConfig, SyncerServer
 from ddiloco.net.warmup import FIRST_CODECS, syncer_warmup
 
+from ..waiting import until as wait_until
+
 TOKEN = "test-token-0123456789abcdef"
 TENSORS = (
     TensorSpec("embed", (64, 8), embedding=True),
@@ -37,11 +39,7 @@ HOLD_S_MAX = 900.0  # the fake warm-up's bound: released by the test long before
 
 
 async def until(predicate, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S_MAX
-    while not predicate():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
+    await wait_until(predicate, WAIT_S_MAX, what)
 
 
 def resumed_state() -> syncer.SyncerState:
