@@ -211,6 +211,8 @@ def new_state(
         if len(params) != num:
             raise ValueError(f"initial parameters hold {len(params)} fragments, the layout {num}")
         for p in state.owned:  # a shard takes its own fragments of a whole model and leaves the rest
+            if params[p] is None:
+                raise ValueError(f"the initial parameters lack fragment {p}, which this syncer owns")
             _hold(state, p, _checked_params(layout, p, params[p]))
         state.init_source = "file"
     return state

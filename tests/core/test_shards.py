@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from ddiloco.core import codec, shards
+from ddiloco.core import codec, shards, syncer
 from ddiloco.core.config import ConfigError, SyncerConfig
 from ddiloco.core.events import InitFragment, Merged, Progress, Push, SendError, SendUpdate
 from ddiloco.core.grace import GraceConfig
@@ -188,3 +188,17 @@ def test_an_unsharded_syncer_owns_every_fragment_and_refuses_no_index_as_foreign
     h.join("a", conn=10)
     (err,) = h.of(SendError, h.send(InitFragment(1, FRAGMENTS, fp32(np.ones(8, dtype=np.float32)))))
     assert err.code == "bad_shape"  # a fragment that does not exist is no shard's
+
+
+def test_initial_parameters_give_a_shard_its_own_fragments_and_must_hold_them():
+    h = Harness(num_fragments=FRAGMENTS, period=PERIOD)
+    h.join("a", conn=10)  # the first hello decides the layout
+    layout = h.state.layout
+    values = [np.ones(f.padded_size, np.float32) for f in layout.fragments]
+    config = SyncerConfig(num_fragments=FRAGMENTS, period=PERIOD, shard=1, shards=2)
+    state = syncer.new_state(config, layout, values)  # a whole model: the shard keeps fragments 1 and 3
+    assert state.holds_parameters and [f.theta is not None for f in state.fragments] == [False, True, False, True]
+    assert state.init_source == "file"
+    only_others = [v if p % 2 == 0 else None for p, v in enumerate(values)]  # shard 0's checkpoint, say
+    with pytest.raises(ValueError, match="the initial parameters lack fragment 1, which this syncer owns"):
+        syncer.new_state(config, layout, only_others)
