@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         if v["resume"] is None or written_dir != v["resume"]:
             raise UserError("standby needs resume DIR (and no other checkpoint-dir): the directory it takes over")
         logging.basicConfig(level=v["log_level"].upper(), format=LOG_FORMAT, stream=sys.stderr)
-        lock = _stand_by(v["resume"], log)
+        lock = _stand_by(v["resume"], log, _shard_of(settings))
     else:
         # One syncer per checkpoint directory: taken before the newest checkpoint is read.
         # (A resume DIR that does not exist is left to the resume's own error.)
@@ -320,11 +320,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if daemon.checkpoints.healthy else 1
 
 
-def _stand_by(directory: Path, log: logging.Logger) -> Any:
+def _stand_by(directory: Path, log: logging.Logger, shard: tuple[int, int]) -> Any:
     """A hot standby's wait: once the run in `directory` has a checkpoint, load the kernels for it on
     a thread of its own, and meanwhile block until the syncer holding the directory exits; then hold
     it (the returned lock). A kill during the loading is taken over at once: the loading goes on
-    beside the resumed daemon, whose own warm-up then finds those kernels loaded."""
+    beside the resumed daemon, whose own warm-up then finds those kernels loaded. A standby for
+    another shard (`shard`: index and count) than the checkpoint's is refused now, not at the takeover."""
+    from ddiloco.core import checkpoint
     from ddiloco.net import ownership, store
 
     log.info("standby for %s: waiting for a checkpoint to load the kernels for", directory)
@@ -337,6 +339,10 @@ def _stand_by(directory: Path, log: logging.Logger) -> Any:
                 return ownership.DirectoryLock.acquire(directory)
             except ownership.DirectoryHeld:
                 time.sleep(STANDBY_POLL_S)
+    try:
+        checkpoint.check_resumed_shard(state, *shard)
+    except checkpoint.CheckpointError as exc:
+        raise UserError(f"cannot stand by for {directory}: {exc}") from exc
     threading.Thread(target=_preload, args=(state, directory, log), name="ddiloco-preload", daemon=True).start()
     lock = ownership.DirectoryLock.acquire(directory, wait=True)
     log.info("standby: took over %s", directory)

@@ -308,6 +308,19 @@ def test_resuming_another_shards_checkpoint_is_refused_naming_both(tmp_path, sta
     stderr = _refusal(tmp_path, ["--resume", "ck", "--shard", "0", "--shards", "2"])
     assert "the checkpoint is of shard 1 of 2, the configuration is shard 0 of 2" in stderr
     assert "the configuration is shard 0 of 1" in _refusal(tmp_path, ["--resume", "ck"])
+    # A standby checks the same as soon as the directory has a checkpoint, before it waits to take over.
+    standby = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "syncer", "--standby", "--resume", "ck", "--shards", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert standby.returncode == 2 and "Traceback" not in standby.stderr
+    last = standby.stderr.strip().splitlines()[-1]
+    assert "cannot stand by for ck: the checkpoint is of shard 1 of 2, the configuration is shard 0 of 2" in last
+    assert "took over" not in standby.stderr
     proc, _, lines = start_syncer(tmp_path, "--resume", str(tmp_path / "ck"), "--shard", "1", "--shards", "2")
     try:
         assert not any("not applied" in line for line in lines)  # the shard is checked, not ignored
