@@ -11,6 +11,13 @@ fp32 size of the model. The baseline, measured in the same run before the syncer
 loopback websockets carry on this machine when as many processes push frames of the syncer's size
 to an aiohttp server that only counts them (`wire_ceiling_gbps`). The syncer's traffic in and out
 is reported as a share of it.
+
+With `shards` (`ddiloco bench syncer --shards N`, `run_sharded_bench`) the same load runs twice, each
+time against syncers in processes of their own: one whole syncer, then N shards (core.shards), every
+learner connected to each shard, sending its progress to all of them and each push and initial
+fragment to the fragment's owner. The ingest of both (payload bytes in per second, merges per
+second, summed over the shards) is reported side by side: what splitting the syncer buys on this
+machine. The baseline and the round latencies are not measured there.
 """
 
 from __future__ import annotations
@@ -62,49 +69,70 @@ def bench_tensors(params: int, fragments: int) -> tuple[TensorSpec, ...]:
 
 
 def _learner_main(
-    url: str, name: str, params: int, fragments: int, codec_name: str, seconds: float, step_hz: float, seed: int, out
+    urls: list[str],
+    name: str,
+    params: int,
+    fragments: int,
+    codec_name: str,
+    seconds: float,
+    step_hz: float,
+    seed: int,
+    out,
 ) -> None:
-    """One learner process: no training, just the protocol as fast as it goes."""
+    """One learner process: no training, just the protocol as fast as it goes. With several `urls`
+    (the shards of one syncer, in shard order) it sends its progress to all of them and each push
+    and initial fragment to the shard that owns the fragment."""
     from ddiloco.core import codec
     from ddiloco.core.events import Push
+    from ddiloco.core.shards import owner
     from ddiloco.net import session
     from ddiloco.net.client import ClientConfig, SyncerClient
 
     async def main() -> dict:
-        client = SyncerClient(ClientConfig(url=url, name=name, tensors=bench_tensors(params, fragments), token=TOKEN))
-        task = asyncio.create_task(client.run())
-        await asyncio.wait_for(client.welcomed.wait(), 120)
-        if client.refused:
-            raise client.refused
-        w = client.inbox.welcome
+        tensors = bench_tensors(params, fragments)
+        clients = [SyncerClient(ClientConfig(url=url, name=name, tensors=tensors, token=TOKEN)) for url in urls]
+        tasks = [asyncio.create_task(c.run()) for c in clients]
+        for client in clients:
+            await asyncio.wait_for(client.welcomed.wait(), 120)
+            if client.refused:
+                raise client.refused
+        welcomes = [c.inbox.welcome for c in clients]
+        w = welcomes[0]
         rng = np.random.default_rng(seed)
         sizes = [-(-sum(int(np.prod(s)) for _, s, _, _ in f) // 128) * 128 for f in w.layout["fragments"]]
         versions = [-1] * len(sizes)
-        if w.needs_init:
-            for p, n in enumerate(sizes):
-                client.queue_init(p, codec.encode(rng.standard_normal(n).astype(np.float32), "fp32"))
-            versions = [0] * len(sizes)
+        for client, welcome in zip(clients, welcomes, strict=True):
+            if welcome.needs_init:  # each shard asks one learner for its own fragments
+                for p in welcome.owned:
+                    client.queue_init(p, codec.encode(rng.standard_normal(sizes[p]).astype(np.float32), "fp32"))
+                    versions[p] = 0
         payloads = [
             codec.parse(codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name)) for n in sizes
         ]
         step, pushes = 0, 0
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            box = client.inbox
-            for p, chain in list(box.updates.items()):
-                versions[p] = chain[-1].version if chain else versions[p]
-            box.updates.clear()
+            for client in clients:
+                box = client.inbox
+                for p, chain in list(box.updates.items()):
+                    versions[p] = chain[-1].version if chain else versions[p]
+                box.updates.clear()
             step += 1
             n = len(sizes)
-            client.queue_progress(session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n))
+            progress = session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n)
+            for client in clients:
+                client.queue_progress(progress)
             for p in (q for q, t in enumerate(w.offsets) if step % w.period == t and min(versions) >= 0):
-                push = Push(w.learner, p, step, versions[p], 1, 1024, payloads[p])  # its own schedule (protocol 2)
+                client = clients[owner(p, len(clients))]
+                learner = client.inbox.welcome.learner  # each shard numbers its learners itself
+                push = Push(learner, p, step, versions[p], 1, 1024, payloads[p])  # its own schedule (protocol 2)
                 if client.queue_push(push):
                     pushes += 1
             await asyncio.sleep(1.0 / step_hz)
-        await client.close()
-        task.cancel()
-        return {"name": name, "steps": step, "pushes": pushes, "bytes_out": client.bytes_out}
+        for client, task in zip(clients, tasks, strict=True):
+            await client.close()
+            task.cancel()
+        return {"name": name, "steps": step, "pushes": pushes, "bytes_out": sum(c.bytes_out for c in clients)}
 
     out.put(asyncio.run(main()))
 
@@ -199,7 +227,7 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
             ctx.Process(
                 target=_learner_main,
                 args=(
-                    url,
+                    [url],
                     f"bench{i}",
                     config.params,
                     config.fragments,
@@ -276,6 +304,188 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "rejected": raw["rejected"],
         "pushes": sum(r["pushes"] for r in raw["learners"]),
     }
+
+
+SHARD_START_S_MAX = 300.0  # a shard process that has not listened or merged by then is stuck
+
+
+def _core_config(config: SyncerBenchConfig, shard: int = 0, shards: int = 1) -> dict:
+    """The syncer configuration of the bench (for `core.config.from_mapping`), as shard `shard` of `shards`."""
+    return {
+        "num_fragments": config.fragments,
+        "period": config.fragments,
+        "merge": config.merge,
+        "broadcast_codec": config.broadcast_codec,
+        "learners_max": max(8, config.learners),
+        "shard": shard,
+        "shards": shards,
+    }
+
+
+def _shard_main(core: dict, events, start, stop, out) -> None:
+    """One syncer shard in a process of its own: says its port, then when it first merged; counts
+    its merges and payload bytes between `start` and `stop` (multiprocessing events), and says them."""
+    from ddiloco import kernels
+    from ddiloco.core import syncer
+    from ddiloco.core.config import from_mapping
+    from ddiloco.net.server import ServerConfig, SyncerServer, use_uvloop
+
+    use_uvloop()
+    kernels.warmup()
+    config = from_mapping(core)
+
+    async def main() -> dict:
+        server = SyncerServer(syncer.new_state(config), ServerConfig(port=0, auth_token=TOKEN))
+        events.put(("port", config.shard, await server.start()))
+        while server.state.merges == 0 and not stop.is_set():
+            await asyncio.sleep(0.02)
+        events.put(("merged", config.shard, None))
+        while not start.is_set() and not stop.is_set():
+            await asyncio.sleep(0.01)
+        t0, m0, b0 = time.perf_counter(), server.state.merges, server.metrics.bytes_in
+        while not stop.is_set():
+            await asyncio.sleep(0.02)
+        wall = time.perf_counter() - t0
+        result = {
+            "shard": config.shard,
+            "merges": server.state.merges - m0,
+            "bytes_in": server.metrics.bytes_in - b0,
+            "wall_s": wall,
+            "versions": [f.version for f in server.state.fragments],
+            "owned": list(server.state.owned),
+            "rejected": dict(server.state.rejections),
+        }
+        await server.stop(checkpoint=False)
+        return result
+
+    out.put(asyncio.run(main()))
+
+
+def _sharded_ingest(config: SyncerBenchConfig, shards: int) -> dict:
+    """The bench's load against `shards` syncer processes (1: one whole syncer); measured from the
+    moment every shard has merged once until the learners stop."""
+    ctx = mp.get_context("spawn")
+    events, out, learner_out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    start, stop = ctx.Event(), ctx.Event()
+    syncers = [
+        ctx.Process(target=_shard_main, args=(_core_config(config, i, shards), events, start, stop, out), daemon=True)
+        for i in range(shards)
+    ]
+    for p in syncers:
+        p.start()
+    learners: list = []
+    try:
+        ports = dict(_await_events(events, "port", shards))
+        urls = [f"ws://127.0.0.1:{ports[i]}/ws" for i in range(shards)]
+        args = (config.params, config.fragments, config.codec, config.seconds, config.step_hz)
+        learners = [
+            ctx.Process(target=_learner_main, args=(urls, f"bench{i}", *args, i, learner_out), daemon=True)
+            for i in range(config.learners)
+        ]
+        for p in learners:
+            p.start()
+        _await_events(events, "merged", shards, alive=learners)
+        start.set()
+        t0 = time.perf_counter()
+        while any(p.is_alive() for p in learners):
+            time.sleep(0.1)
+        wall = time.perf_counter() - t0
+        stop.set()
+        per_shard = sorted((out.get(timeout=60) for _ in syncers), key=lambda r: r["shard"])
+        pushed = [learner_out.get(timeout=10) for _ in learners]
+    finally:
+        stop.set()
+        for p in (*learners, *syncers):
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r in per_shard:
+        r["merges_per_s"] = r["merges"] / r["wall_s"]
+        r["payload_gbps_in"] = r["bytes_in"] / r["wall_s"] / 1e9
+    return {
+        "shards": shards,
+        "wall_s": wall,
+        "merges": sum(r["merges"] for r in per_shard),
+        "merges_per_s": sum(r["merges"] for r in per_shard) / wall,
+        "payload_gbps_in": sum(r["bytes_in"] for r in per_shard) / wall / 1e9,
+        "pushes": sum(r["pushes"] for r in pushed),
+        "per_shard": per_shard,
+    }
+
+
+def _await_events(events, kind: str, count: int, alive: list | None = None) -> list[tuple[int, object]]:
+    """(shard, value) of `count` events of `kind` from the shard processes, or RuntimeError when
+    they do not come (the learner processes in `alive` all exited, or SHARD_START_S_MAX passed)."""
+    import queue
+
+    got: list[tuple[int, object]] = []
+    deadline = time.monotonic() + SHARD_START_S_MAX
+    while len(got) < count:
+        if time.monotonic() > deadline or (alive is not None and not any(p.is_alive() for p in alive)):
+            raise RuntimeError(f"{count - len(got)} syncer shard(s) never reported {kind!r}")
+        try:
+            what, shard, value = events.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        assert what == kind, (what, kind)
+        got.append((shard, value))
+    return got
+
+
+def check_bench_shards(config: SyncerBenchConfig, shards: int) -> None:
+    """ValueError unless the bench can split its syncer into `shards` shards (2 or more, at most one per fragment)."""
+    from ddiloco.core.shards import check_shard
+
+    wrong = check_shard(0, shards, config.fragments)
+    if wrong is not None or shards < 2:
+        raise ValueError(wrong or f"a sharded bench compares 1 syncer with 2 or more shards, got {shards}")
+
+
+def run_sharded_bench(config: SyncerBenchConfig, shards: int) -> dict:
+    """The same load against one whole syncer and then against `shards` shards (each its own process)."""
+    check_bench_shards(config, shards)
+    runs = [_sharded_ingest(config, 1), _sharded_ingest(config, shards)]
+    return {"config": asdict(config), "shards": shards, "runs": runs}
+
+
+def format_shards_report(r: dict) -> str:
+    """One whole syncer and N shards side by side: ingest summed over the shards, then each shard's."""
+    c = r["config"]
+    one, many = r["runs"]
+    head = (
+        f"{c['learners']} learners, {c['params'] / 1e6:.1f}M params in {c['fragments']} fragments, "
+        f"push {c['codec']}, broadcast {c['broadcast_codec']}, {c['merge']}; each syncer or shard a process"
+    )
+    rows = [
+        ("", "1 syncer", f"{many['shards']} shards", "ratio"),
+        ("measured", f"{one['wall_s']:.1f} s", f"{many['wall_s']:.1f} s", ""),
+        ("pushes", str(one["pushes"]), str(many["pushes"]), _ratio(many["pushes"], one["pushes"])),
+        ("merges", str(one["merges"]), str(many["merges"]), _ratio(many["merges"], one["merges"])),
+        (
+            "merges/s",
+            f"{one['merges_per_s']:.2f}",
+            f"{many['merges_per_s']:.2f}",
+            _ratio(many["merges_per_s"], one["merges_per_s"]),
+        ),
+        (
+            "payload in",
+            f"{one['payload_gbps_in']:.3f} GB/s",
+            f"{many['payload_gbps_in']:.3f} GB/s",
+            _ratio(many["payload_gbps_in"], one["payload_gbps_in"]),
+        ),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [head, *("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)]
+    for s in many["per_shard"]:
+        lines.append(
+            f"  shard {s['shard']} (fragments {', '.join(map(str, s['owned']))}): {s['merges_per_s']:.2f} merges/s, "
+            f"{s['payload_gbps_in']:.3f} GB/s in, rejected {s['rejected'] or 'none'}"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
 
 
 def _rss_now() -> int:

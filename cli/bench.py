@@ -87,6 +87,11 @@ def _syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="how long the learners push (default 20)")
     p.add_argument("--broadcast-codec", default="int4", choices=["int4", "bf16", "fp32"])
     p.add_argument("--merge", default="rda", choices=["rda", "mean"])
+    p.add_argument(
+        "--shards",
+        type=_positive_int,
+        help="run the load against 1 syncer and then against this many shards, each a process, side by side",
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as JSON")
 
 
@@ -103,9 +108,15 @@ def _syncer_run(args: argparse.Namespace) -> int:
             broadcast_codec=args.broadcast_codec,
             merge=args.merge,
         )
+        if args.shards is not None:
+            syncer.check_bench_shards(config, args.shards)
     print(f"bench syncer: {config}", file=sys.stderr)
-    result = syncer.run_syncer_bench(config)
-    print(syncer.format_report(result))
+    if args.shards is not None:
+        result = syncer.run_sharded_bench(config, args.shards)
+        print(syncer.format_shards_report(result))
+    else:
+        result = syncer.run_syncer_bench(config)
+        print(syncer.format_report(result))
     if args.json is not None:
         _write_json(args.json, [result])
     return 0

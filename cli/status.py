@@ -76,7 +76,8 @@ def render(doc: dict, url: str) -> str:
     """The readable summary of a /status document."""
     out = [
         f"syncer {url}: up {_duration(doc['uptime_s'])}, global step {doc['global_step']}, merges {doc['merges']}"
-        + (f", initialised from {doc['init_source']}" if doc.get("init_source") else ""),
+        + (f", initialised from {doc['init_source']}" if doc.get("init_source") else "")
+        + _shard(doc),
         f"checkpoint: {_checkpoint(doc.get('checkpoint'))}",
     ]
     warnings = doc.get("warnings", [])
@@ -133,6 +134,13 @@ def render(doc: dict, url: str) -> str:
     rows.extend([fate, str(n), _share(n, reported)] for fate, n in ledger.items() if fate != "reported")
     out.extend(_table(rows))
     return "\n".join(out) + "\n"
+
+
+def _shard(doc: dict) -> str:
+    """Which shard of a sharded syncer this is and its fragments; nothing for a whole syncer."""
+    if doc.get("shards", 1) <= 1:
+        return ""
+    return f", shard {doc['shard']} of {doc['shards']} (fragments {', '.join(map(str, doc['owned']))})"
 
 
 def _checkpoint(ck: dict | None) -> str:

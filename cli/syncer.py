@@ -66,6 +66,13 @@ SETTINGS: tuple[Setting, ...] = (
         default=False,
     ),
     Setting("fragments", int, "P, number of fragments (default 4)"),
+    Setting(
+        "shard",
+        int,
+        "this syncer is shard SHARD of SHARDS and owns fragments p with p mod SHARDS == SHARD (default 0); "
+        "each shard runs as its own process with its own checkpoint directory",
+    ),
+    Setting("shards", int, "number of syncer shards the fragments are split among (default 1: not sharded)"),
     Setting("period", int, "H, steps between two syncs of one fragment (default 4)"),
     Setting(
         "strategy",
@@ -138,6 +145,8 @@ SETTINGS: tuple[Setting, ...] = (
 # setting -> where it goes in the core's SyncerConfig (core.config.from_mapping; "table.key" is nested)
 CORE_KEYS = {
     "fragments": "num_fragments",
+    "shard": "shard",
+    "shards": "shards",
     "period": "period",
     "strategy": "strategy",
     "block": "block",
@@ -224,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         if v["resume"] is None or written_dir != v["resume"]:
             raise UserError("standby needs resume DIR (and no other checkpoint-dir): the directory it takes over")
         logging.basicConfig(level=v["log_level"].upper(), format=LOG_FORMAT, stream=sys.stderr)
-        lock = _stand_by(v["resume"], log)
+        lock = _stand_by(v["resume"], log, _shard_of(settings))
     else:
         # One syncer per checkpoint directory: taken before the newest checkpoint is read.
         # (A resume DIR that does not exist is left to the resume's own error.)
@@ -240,7 +249,11 @@ def run(args: argparse.Namespace) -> int:
             except store.StoreError as exc:
                 raise UserError(f"cannot resume: {exc}") from exc
             config = state.config
-            ignored = sorted(key for key in CORE_KEYS if key in settings.sources)
+            try:  # the shard is not the checkpoint's to decide: resuming another shard's is refused
+                checkpoint.check_resumed_shard(state, *_shard_of(settings))
+            except checkpoint.CheckpointError as exc:
+                raise UserError(f"cannot resume {resumed_from}: {exc}") from exc
+            ignored = sorted(key for key in CORE_KEYS if key in settings.sources and key not in _SHARD_KEYS)
             if ignored:
                 log.warning(
                     "resuming keeps the checkpoint's configuration: %s not applied",
@@ -307,11 +320,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if daemon.checkpoints.healthy else 1
 
 
-def _stand_by(directory: Path, log: logging.Logger) -> Any:
+def _stand_by(directory: Path, log: logging.Logger, shard: tuple[int, int]) -> Any:
     """A hot standby's wait: once the run in `directory` has a checkpoint, load the kernels for it on
     a thread of its own, and meanwhile block until the syncer holding the directory exits; then hold
     it (the returned lock). A kill during the loading is taken over at once: the loading goes on
-    beside the resumed daemon, whose own warm-up then finds those kernels loaded."""
+    beside the resumed daemon, whose own warm-up then finds those kernels loaded. A standby for
+    another shard (`shard`: index and count) than the checkpoint's is refused now, not at the takeover."""
+    from ddiloco.core import checkpoint
     from ddiloco.net import ownership, store
 
     log.info("standby for %s: waiting for a checkpoint to load the kernels for", directory)
@@ -324,6 +339,10 @@ def _stand_by(directory: Path, log: logging.Logger) -> Any:
                 return ownership.DirectoryLock.acquire(directory)
             except ownership.DirectoryHeld:
                 time.sleep(STANDBY_POLL_S)
+    try:
+        checkpoint.check_resumed_shard(state, *shard)
+    except checkpoint.CheckpointError as exc:
+        raise UserError(f"cannot stand by for {directory}: {exc}") from exc
     threading.Thread(target=_preload, args=(state, directory, log), name="ddiloco-preload", daemon=True).start()
     lock = ownership.DirectoryLock.acquire(directory, wait=True)
     log.info("standby: took over %s", directory)
@@ -351,6 +370,15 @@ def _check_tls(v: dict[str, Any]) -> None:
         raise SettingsError("tls_cert and tls_key go together: give both or neither")
     if v["tls_cert"] is not None:
         tls.server_context(v["tls_cert"], v["tls_key"])
+
+
+_SHARD_KEYS = ("shard", "shards")
+
+
+def _shard_of(settings: Resolved) -> tuple[int, int]:
+    """The shard and shard count the settings give (the core's defaults, 0 of 1, where they give none)."""
+    v = settings.values
+    return (0 if v["shard"] is None else v["shard"]), (1 if v["shards"] is None else v["shards"])
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:

@@ -2,15 +2,17 @@
 
 A checkpoint holds what a resumed syncer needs to continue with no lost merge: the config, the
 layout, every fragment's parameters, momentum, version and round counter, the global step, the
-counters and the token ledger's books. Learners are not in it: they reconnect by themselves (their
+counters and the token ledger's books. A shard of a sharded syncer (core.shards) holds the arrays of
+its own fragments only, and its manifest says which shard of how many it is ("shard", "shards";
+absent: 0 of 1, the whole syncer); a shard resumes its own checkpoints only (`check_resumed_shard`). Learners are not in it: they reconnect by themselves (their
 open token windows are booked as lost, they were never merged).
 
 The container (format 3) is a plain safetensors file (docs/checkpoints.md says why), so any tool
 that reads safetensors opens it:
 
     tensors        "theta/<p>", "momentum/<p>" and "published/<p>" (the copy the learners
-                   reconstruct from the delta broadcast, core.publish) for every fragment p, F32,
-                   one dimension
+                   reconstruct from the delta broadcast, core.publish) for every fragment p the
+                   syncer owns (all of them unless it is a shard), F32, one dimension
     __metadata__   "format": "ddiloco-syncer-checkpoint", "version": "3",
                    "manifest": the manifest, JSON: the fields of `_manifest`, the run id, and
                                "arrays": {name: sha256 of its bytes},
@@ -50,7 +52,16 @@ from ddiloco.core.outer import NesterovState
 from ddiloco.core.syncer import SyncerState, new_state
 from ddiloco.errors import UserError
 
-__all__ = ["CONTAINER", "FORMAT", "CheckpointError", "content_hash", "manifest_of", "restore", "to_chunks"]
+__all__ = [
+    "CONTAINER",
+    "FORMAT",
+    "CheckpointError",
+    "check_resumed_shard",
+    "content_hash",
+    "manifest_of",
+    "restore",
+    "to_chunks",
+]
 
 CONTAINER = "ddiloco-syncer-checkpoint"  # the metadata's "format": what kind of safetensors file this is
 FORMAT = 3
@@ -74,7 +85,8 @@ def to_chunks(state: SyncerState, run: str = "") -> list[bytes | memoryview]:
     if len(run) > RUN_CHARS_MAX:
         raise CheckpointError(f"run id of {len(run)} characters is above the limit of {RUN_CHARS_MAX}")
     arrays = []
-    for p, frag in enumerate(state.fragments):
+    for p in state.owned:
+        frag = state.fragments[p]
         arrays += [(f"theta/{p}", frag.theta), (f"momentum/{p}", frag.momentum.buf), (f"published/{p}", frag.published)]
     hashes = {name: hashlib.sha256(memoryview(arr)).hexdigest() for name, arr in arrays}
     manifest = orjson.dumps({**_manifest(state), "run": run, "arrays": hashes})
@@ -162,8 +174,23 @@ def _metadata(view: memoryview) -> dict:
     return meta
 
 
+def check_resumed_shard(state: SyncerState, shard: int, shards: int) -> None:
+    """Refuse to resume a checkpoint of another shard, or of another split: its fragments are not
+    the ones shard `shard` of `shards` owns, and the learners would route theirs elsewhere."""
+    ours = (state.config.shard, state.config.shards)
+    if ours != (shard, shards):
+        raise CheckpointError(
+            f"the checkpoint is of shard {ours[0]} of {ours[1]}, the configuration is shard {shard} of {shards}: "
+            "a shard resumes only its own checkpoints (give the shard and shards it was written with, "
+            "or resume the directory of the right shard)"
+        )
+
+
 def _manifest(state: SyncerState) -> dict:
+    # A shard says so at the top of its manifest; an unsharded one writes what it always wrote.
+    sharded = {"shard": state.config.shard, "shards": state.config.shards} if state.config.shards > 1 else {}
     return {
+        **sharded,
         "format": FORMAT,
         "config": state.config.to_dict(),
         "layout": state.layout.describe(),
@@ -223,8 +250,14 @@ def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
     layout = layout_from_description(manifest["layout"])
     # The parameters are checked here, with numpy, rather than by new_state's kernel: a resumed syncer
     # reads its checkpoint before it listens, and the kernels' first call costs a second (numba).
+    said = (int(manifest.get("shard", 0)), int(manifest.get("shards", 1)))
+    if said != (config.shard, config.shards):
+        raise CheckpointError(
+            f"the manifest says shard {said[0]} of {said[1]}, its config shard {config.shard} of {config.shards}"
+        )
     state = new_state(config, layout)
-    for p, frag in enumerate(state.fragments):
+    for p in state.owned:  # a shard's checkpoint holds its own fragments' arrays only
+        frag = state.fragments[p]
         theta = arrays[f"theta/{p}"]
         if theta.dtype != np.float32 or theta.shape != (layout.fragments[p].padded_size,):
             raise CheckpointError(f"fragment {p}'s arrays do not have the size its layout gives it")
@@ -250,7 +283,8 @@ def _state_from(manifest: dict, arrays: dict[str, np.ndarray]) -> SyncerState:
     state.rejections = {str(k): int(v) for k, v in manifest["rejections"].items()}
     state.init_source = str(manifest["init_source"])
     state.decisions = deque()
-    for p, frag in enumerate(state.fragments):
+    for p in state.owned:
+        frag = state.fragments[p]
         if frag.theta.shape != (layout.fragments[p].padded_size,) or frag.momentum.buf.shape != frag.theta.shape:
             raise CheckpointError(f"fragment {p}'s arrays do not have the size its layout gives it")
     return state

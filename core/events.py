@@ -199,6 +199,7 @@ ERROR_CODES = (
     "protocol_version",
     "overloaded",
     "unexpected",
+    "wrong_shard",  # a push or initial fragment sent to a shard that does not own the fragment (core.shards)
 )
 
 

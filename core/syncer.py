@@ -59,6 +59,7 @@ from ddiloco.core.layout import Layout, LayoutError, TooManyFragments, build_lay
 from ddiloco.core.ledger import Ledger
 from ddiloco.core.merge import merge_round
 from ddiloco.core.schedule import Schedule
+from ddiloco.core.shards import owned, owner
 from ddiloco.core.weights import TOKENS_MAX
 
 PROTOCOL_VERSION = 2
@@ -169,10 +170,17 @@ class SyncerState:
     late_pushes: dict[str, int] = field(default_factory=lambda: {"carried": 0, "rejected": 0})
     late_unlogged: dict[str, int] = field(default_factory=lambda: {"carried": 0, "rejected": 0})
     late_logged_at: float | None = None
+    # The fragments this syncer owns (core.shards): every one unless it is one shard of several.
+    # The others' FragmentStates stay empty (theta None) for good: no memory, no rounds, no books.
+    owned: tuple[int, ...] = ()
 
     @property
     def holds_parameters(self) -> bool:
-        return bool(self.fragments) and all(f.theta is not None for f in self.fragments)
+        return bool(self.owned) and all(self.fragments[p].theta is not None for p in self.owned)
+
+    def owns(self, p: int) -> bool:
+        """Whether fragment p is this shard's (always, unsharded)."""
+        return owner(p, self.config.shards) == self.config.shard
 
     def live(self) -> list[LearnerRecord]:
         return [r for _, r in sorted(self.learners.items()) if r.status is LearnerStatus.LIVE]
@@ -197,10 +205,15 @@ def new_state(
         layout=layout,
         schedule=Schedule(config.period, num, config.grace.overlap),
         fragments=[FragmentState(theta=None, momentum=None) for _ in range(num)],
+        owned=owned(config.shard, config.shards, num),
     )
     if params is not None:
-        for p, values in enumerate(params):
-            _hold(state, p, _checked_params(layout, p, values))
+        if len(params) != num:
+            raise ValueError(f"initial parameters hold {len(params)} fragments, the layout {num}")
+        for p in state.owned:  # a shard takes its own fragments of a whole model and leaves the rest
+            if params[p] is None:
+                raise ValueError(f"the initial parameters lack fragment {p}, which this syncer owns")
+            _hold(state, p, _checked_params(layout, p, params[p]))
         state.init_source = "file"
     return state
 
@@ -314,6 +327,10 @@ def _peers(state: SyncerState) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
 
 
 def _on_init(state: SyncerState, ev: InitFragment, now: float, out: list[Effect]) -> None:
+    foreign = _foreign(state, ev.fragment)
+    if foreign is not None:
+        _reject(state, ev.learner, foreign, out)
+        return
     rec = state.learners.get(ev.learner)
     if rec is None or rec.status is not LearnerStatus.INITIALIZING:
         # Only the learner asked may seed the global state: a learner's local weights never become
@@ -416,16 +433,19 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
         return
     rec.last_seen = now
     rec.step = ev.step
-    for p, held in enumerate(ev.versions):
-        frag = state.fragments[p]
+    # A shard gets the same report as every other shard (its counters cover every fragment): it
+    # keeps them all, but books, resends and judges only the fragments it owns.
+    for p in state.owned:
+        held, frag = ev.versions[p], state.fragments[p]
         if 0 <= held <= frag.version - WHOLE_RESEND_LAG and rec.resent.get(p, -1) < frag.version:
             rec.resent[p] = frag.version
             out.append(update_effect(state, p, (rec.id,)))
-    for p in range(num):
+    for p in state.owned:
         reset = ev.versions[p] != rec.versions[p]
         state.ledger.report(rec.id, p, ev.tokens[p], reset=reset, carried=carried[p])
     rec.versions, rec.steps, rec.tokens = list(ev.versions), list(ev.steps), list(ev.tokens)
-    if rec.status is LearnerStatus.RECOVERING and all(v >= 0 for v in rec.versions) and state.holds_parameters:
+    caught_up = all(rec.versions[p] >= 0 for p in state.owned)
+    if rec.status is LearnerStatus.RECOVERING and caught_up and state.holds_parameters:
         rec.status = LearnerStatus.LIVE
         rec.caught_up_at = now
         out.append(Log("info", f"learner {rec.id} caught up after {now - rec.joined_at:.3f} s and is live"))
@@ -445,7 +465,8 @@ def _advance_global_step(state: SyncerState, now: float, out: list[Effect]) -> N
         state.timing = observe(state.timing, state.config.grace, step_s=per_step)
     previous, state.global_step, state.global_step_at = state.global_step, target, now
     for step, p in state.schedule.opened_between(previous + 1, target + 1):
-        _open_round(state, p, step, now, out)
+        if state.owns(p):  # another shard opens its own fragments' rounds at the same global step
+            _open_round(state, p, step, now, out)
 
 
 def _open_round(state: SyncerState, p: int, step: int, now: float, out: list[Effect]) -> None:
@@ -473,7 +494,11 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
     # reported. A push against another version belongs to a window that is already closed (its
     # progress overtook the push: its tokens were booked as lost then) or not yet opened: booking it
     # here would count its tokens a second time.
-    books = _valid_fragment(state, ev.fragment) and ev.base_version == rec.versions[ev.fragment]
+    books = (
+        _valid_fragment(state, ev.fragment)
+        and state.owns(ev.fragment)  # another shard's fragment: its books are that shard's
+        and ev.base_version == rec.versions[ev.fragment]
+    )
     if rejection is not None:
         if books:
             state.ledger.fate(ev.learner, ev.fragment, ev.tokens, rejection.fate)
@@ -516,6 +541,9 @@ def _joined_pushes(older: Push, newer: Push) -> Push:
 
 
 def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None:
+    foreign = _foreign(state, ev.fragment)
+    if foreign is not None:
+        return foreign
     if rec.status is not LearnerStatus.LIVE:
         return Rejection("not_live", f"learner {rec.id} is {rec.status.value}; only live learners contribute")
     if not _valid_fragment(state, ev.fragment):
@@ -575,6 +603,20 @@ def _count_late(state: SyncerState, outcome: str, now: float, out: list[Effect])
 def _counters_valid(steps: int, tokens: int) -> bool:
     """What `token_weight` takes: both in [0, TOKENS_MAX], and no tokens without steps."""
     return 0 <= steps <= TOKENS_MAX and 0 <= tokens <= TOKENS_MAX and not (steps == 0 and tokens > 0)
+
+
+def _foreign(state: SyncerState, p: int) -> Rejection | None:
+    """The refusal of a push or initial fragment sent to the wrong shard, or None (an existing
+    fragment this syncer owns, or one that does not exist: refused as such further on). A learner
+    routes fragment p to shard p mod N (core.shards); one that does not is a learner bug or a
+    shard started with the wrong index, and the text says which shard should have had it."""
+    cfg = state.config
+    if cfg.shards == 1 or not isinstance(p, int) or not 0 <= p < cfg.num_fragments or state.owns(p):
+        return None
+    return Rejection(
+        "wrong_shard",
+        f"fragment {p} belongs to shard {owner(p, cfg.shards)} of {cfg.shards}; this is shard {cfg.shard}",
+    )
 
 
 def _valid_fragment(state: SyncerState, p: int) -> bool:
@@ -721,7 +763,7 @@ def update_values(state: SyncerState, p: int, whole: bool) -> tuple[str, int, in
 
 
 def _full_update(state: SyncerState, learners: tuple[int, ...]) -> list[Effect]:
-    return [update_effect(state, p, learners) for p in range(len(state.fragments))]
+    return [update_effect(state, p, learners) for p in state.owned]
 
 
 # ---- learners leaving, costs, checkpoints, rejections --------------------------------------------------

@@ -46,6 +46,8 @@ _WIRE_CODE = {
     "protocol_version": msg.ErrorCode.PROTOCOL_VERSION,
     "overloaded": msg.ErrorCode.OVERLOADED,
     "unexpected": msg.ErrorCode.UNEXPECTED_KIND,
+    # The fragment index does not fit this syncer: it is another shard's (the text names which).
+    "wrong_shard": msg.ErrorCode.BAD_SHAPE,
 }
 
 

@@ -129,6 +129,7 @@ class LearnerView:
 
 @dataclass(frozen=True)
 class FragmentView:
+    index: int
     version: int
     elements: int
     round_open: int | None
@@ -144,12 +145,16 @@ class SyncerView:
     config: Mapping
     layout_digest: str | None
     learners: tuple[LearnerView, ...]  # by id: the connected ones and the GONE_SHOWN gone most recently
-    fragments: tuple[FragmentView, ...]
+    fragments: tuple[FragmentView, ...]  # the fragments this syncer owns (every one unless it is a shard)
     decisions: tuple[Decision, ...]  # the last DECISIONS_SHOWN
     ledger: Mapping
     rejections: Mapping
     holds_parameters: bool
     late_pushes: Mapping  # core.syncer: carried (merged, discounted) / rejected (too stale)
+    # A sharded syncer (core.shards): shard `shard` of `shards`, owning the fragments `owned`.
+    shard: int = 0
+    shards: int = 1
+    owned: tuple[int, ...] = ()
 
     @property
     def connected(self) -> tuple[LearnerView, ...]:
@@ -158,7 +163,8 @@ class SyncerView:
 
 def view_of(state: SyncerState) -> SyncerView:
     """A frozen copy of what the outside may read; small (no parameters), taken after every event."""
-    versions = [f.version for f in state.fragments]
+    owned = state.owned
+    versions = [state.fragments[p].version for p in owned]
     gone = sorted((r for r in state.learners.values() if r.status is LearnerStatus.GONE), key=lambda r: r.last_seen)
     shown = [r for r in state.learners.values() if r.status is not LearnerStatus.GONE] + gone[-GONE_SHOWN:]
     learners = tuple(
@@ -172,15 +178,18 @@ def view_of(state: SyncerState) -> SyncerView:
             tuple(r.steps),
             tuple(r.tokens),
             MappingProxyType(state.ledger.of_learner(r.id)),
-            _behind(versions, r.versions),
+            _behind(versions, [r.versions[p] for p in owned]),
         )
         for r in sorted(shown, key=lambda r: r.id)
     )
     fragments = tuple(
         FragmentView(
-            f.version, state.layout.fragments[p].padded_size if state.layout else 0, f.open.number if f.open else None
+            p,
+            f.version,
+            state.layout.fragments[p].padded_size if state.layout else 0,
+            f.open.number if f.open else None,
         )
-        for p, f in enumerate(state.fragments)
+        for p, f in ((p, state.fragments[p]) for p in owned)
     )
     decisions = tuple(state.decisions)[-DECISIONS_SHOWN:]
     return SyncerView(
@@ -196,6 +205,9 @@ def view_of(state: SyncerState) -> SyncerView:
         rejections=MappingProxyType(dict(state.rejections)),
         holds_parameters=state.holds_parameters,
         late_pushes=MappingProxyType(dict(state.late_pushes)),
+        shard=state.config.shard,
+        shards=state.config.shards,
+        owned=owned,
     )
 
 
@@ -320,6 +332,14 @@ def _syncer_families(r: Reading) -> Iterator[Metric]:
         v.config.get("learners_max", 0),
     )
     yield _gauge("global_step", "Step of the K-th most advanced live learner.", v.global_step)
+    shard = GaugeMetricFamily(
+        "ddiloco_shard_info",
+        "1, labelled with this syncer's shard index and shard count (0 of 1: not sharded); its fragment series "
+        "cover the fragments it owns, p with p mod shards == shard.",
+        labels=["shard", "shards"],
+    )
+    shard.add_metric([str(v.shard), str(v.shards)], 1)
+    yield shard
     yield _gauge("grace_window_seconds", "Grace window of the last merged round.", m.grace_s_last)
     counts = list(m.round_counts)  # one copy: the core thread counts on meanwhile
     buckets, cumulative = [], 0
@@ -360,8 +380,8 @@ def _learner_families(r: Reading) -> Iterator[Metric]:
         step.add_metric(who, x.step)
         seen.add_metric(who, max(0.0, r.now - x.last_seen))
         behind.add_metric(who, x.versions_behind)
-        for p, version in enumerate(x.versions):
-            held.add_metric([*who, str(p)], version)
+        for p in r.view.owned:  # a shard's learners hold the other fragments from the other shards
+            held.add_metric([*who, str(p)], x.versions[p])
         for fate in PUSHED_FATES:
             tokens.add_metric([*who, fate], x.pushed.get(fate, 0))
     yield from (info, step, seen, behind, held, tokens)
@@ -385,7 +405,8 @@ def _fragment_families(r: Reading) -> Iterator[Metric]:
         "ddiloco_fragment_last_round_seconds", "The fragment's last round, open to merge.", labels=labels
     )
     last_rounds = r.metrics.last_rounds
-    for p, f in enumerate(r.view.fragments):
+    for f in r.view.fragments:
+        p = f.index
         which = [str(p)]
         version.add_metric(which, f.version)
         elements.add_metric(which, f.elements)
@@ -484,7 +505,8 @@ def status_document(r: Reading, started_at: float) -> dict:
     ]
     last_rounds = r.metrics.last_rounds
     fragments = []
-    for p, f in enumerate(v.fragments):
+    for f in v.fragments:
+        p = f.index
         last = last_rounds.get(p)
         fragments.append(
             {
@@ -512,6 +534,9 @@ def status_document(r: Reading, started_at: float) -> dict:
     return {
         "global_step": v.global_step,
         "merges": v.merges,
+        "shard": v.shard,
+        "shards": v.shards,
+        "owned": list(v.owned),
         "uptime_s": round(r.now - started_at, 3),
         "init_source": v.init_source,
         "config": dict(v.config),

@@ -2,7 +2,14 @@
 
 import pytest
 
-from ddiloco.bench.syncer import SyncerBenchConfig, format_report, run_syncer_bench
+from ddiloco.bench.syncer import (
+    SyncerBenchConfig,
+    check_bench_shards,
+    format_report,
+    format_shards_report,
+    run_sharded_bench,
+    run_syncer_bench,
+)
 
 
 def test_tiny_syncer_bench_reports_traffic_against_the_ceiling_of_the_same_run():
@@ -22,3 +29,26 @@ def test_tiny_syncer_bench_reports_traffic_against_the_ceiling_of_the_same_run()
 def test_bench_config_refuses_nonsense():
     with pytest.raises(ValueError, match="bad syncer bench config"):
         SyncerBenchConfig(ceiling_seconds=0)
+
+
+def test_tiny_sharded_bench_runs_one_syncer_then_two_shards_each_fed_only_its_own_fragments():
+    r = run_sharded_bench(SyncerBenchConfig(learners=2, params=1 << 20, fragments=2, seconds=3.0), 2)
+    one, two = r["runs"]
+    assert (one["shards"], two["shards"]) == (1, 2) and len(two["per_shard"]) == 2
+    for run in (one, two):
+        assert run["merges"] > 0 and run["pushes"] > 0 and run["payload_gbps_in"] > 0
+    for shard in two["per_shard"]:
+        # every push and initial fragment reached its owner: none refused, and each shard merged
+        # its own fragment and held the other at version 0
+        assert shard["rejected"] == {}
+        assert shard["owned"] == [shard["shard"]]
+        assert [v > 0 for v in shard["versions"]] == [p == shard["shard"] for p in range(2)]
+    assert two["merges"] == sum(s["merges"] for s in two["per_shard"])
+    text = format_shards_report(r)
+    assert "1 syncer" in text and "2 shards" in text and "shard 1 (fragments 1)" in text
+
+
+@pytest.mark.parametrize(("shards", "message"), [(3, "3 shards need at least 3 fragments"), (1, "2 or more")])
+def test_a_sharded_bench_needs_two_shards_or_more_and_a_fragment_for_each(shards, message):
+    with pytest.raises(ValueError, match=message):
+        check_bench_shards(SyncerBenchConfig(fragments=2), shards)

@@ -7,6 +7,10 @@ import json
 import re
 import sys
 
+import aiohttp
+
+from ddiloco.cli.status import render
+
 from ..net.test_daemon import Learner, Syncer, train, two_learners, until
 
 ESCAPING = "evil name <b>"  # the wire refuses control characters in a name (net.messages); this one prints as it is
@@ -60,3 +64,16 @@ async def test_status_prints_a_readable_summary_and_the_raw_json(tmp_path):
     assert code == 1 and "fault: cannot reach" in err and out == ""
     code, out, err = await ddiloco("status", "127.0.0.1:1")
     assert code == 2 and "URL must start with http://" in err
+
+
+async def test_a_shards_summary_names_the_shard_and_its_fragments(tmp_path):
+    s = Syncer(tmp_path, num_fragments=5, period=5, shard=1, shards=2)
+    await s.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            doc = await (await http.get(f"{s.http}/status")).json()
+    finally:
+        await s.server.stop()
+    first = render(doc, s.http).splitlines()[0]
+    assert first.endswith(", merges 0, shard 1 of 2 (fragments 1, 3)"), first
+    assert "shard" not in render({**doc, "shard": 0, "shards": 1, "owned": [0, 1, 2, 3, 4]}, s.http).splitlines()[0]

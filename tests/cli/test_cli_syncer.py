@@ -146,6 +146,16 @@ def _refusal(tmp_path, args, env=None, toml=None):
             "insecure_no_auth from env DDILOCO_INSECURE_NO_AUTH: expected one of",
         ),
         (None, {"DDILOCO_CONFIG": "missing.toml"}, "cannot read config file missing.toml"),
+        (
+            None,
+            {"DDILOCO_SHARD": "2", "DDILOCO_SHARDS": "2"},
+            "shard index must lie in [0, 1] for 2 shards, got 2 (shard from env DDILOCO_SHARD)",
+        ),
+        (
+            "shards = 5\nfragments = 4\n",
+            {},
+            "5 shards need at least 5 fragments, the syncer has 4 (shards from file syncer.toml)",
+        ),
     ],
 )
 def test_unknown_keys_and_bad_values_are_refused_naming_the_key_and_its_source(tmp_path, toml, env, message):
@@ -261,3 +271,60 @@ def test_bad_tls_files_get_one_clear_line(tmp_path, self_signed_cert, which, mes
         "swapped": ["--tls-cert", str(key), "--tls-key", str(cert)],
     }[which]
     assert message in _refusal(tmp_path, args)
+
+
+def test_a_shard_says_which_it_is_in_its_first_line_and_its_status(tmp_path, start_syncer):
+    proc, port, lines = start_syncer(tmp_path, "--shard", "1", "--shards", "2", "--fragments", "4")
+    try:
+        first = json.loads(lines[0].split("config ", 1)[1])
+        assert (first["shard"], first["shards"]) == (1, 2)
+        assert first["sources"]["shard"] == "flag --shard" and first["sources"]["shards"] == "flag --shards"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+            status = json.loads(r.read())
+        assert (status["shard"], status["shards"], status["owned"]) == (1, 2, [1, 3])
+        assert [f["index"] for f in status["fragments"]] == [1, 3]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def _shard_checkpoint(directory, shard, shards):
+    """A checkpoint of shard `shard` of `shards` (four small fragments) written into `directory`."""
+    import numpy as np
+
+    from ddiloco.core import syncer
+    from ddiloco.core.config import SyncerConfig
+    from ddiloco.core.layout import TensorSpec, build_layout
+    from ddiloco.net import store
+
+    layout = build_layout([TensorSpec(f"w{i}", (4, 8)) for i in range(4)], 4)
+    config = SyncerConfig(num_fragments=4, shard=shard, shards=shards)
+    state = syncer.new_state(config, layout, [np.ones(f.padded_size, np.float32) for f in layout.fragments])
+    return store.CheckpointStore.open(directory).write(state).path
+
+
+def test_resuming_another_shards_checkpoint_is_refused_naming_both(tmp_path, start_syncer):
+    _shard_checkpoint(tmp_path / "ck", 1, 2)
+    stderr = _refusal(tmp_path, ["--resume", "ck", "--shard", "0", "--shards", "2"])
+    assert "the checkpoint is of shard 1 of 2, the configuration is shard 0 of 2" in stderr
+    assert "the configuration is shard 0 of 1" in _refusal(tmp_path, ["--resume", "ck"])
+    # A standby checks the same as soon as the directory has a checkpoint, before it waits to take over.
+    standby = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "syncer", "--standby", "--resume", "ck", "--shards", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert standby.returncode == 2 and "Traceback" not in standby.stderr
+    last = standby.stderr.strip().splitlines()[-1]
+    assert "cannot stand by for ck: the checkpoint is of shard 1 of 2, the configuration is shard 0 of 2" in last
+    assert "took over" not in standby.stderr
+    proc, _, lines = start_syncer(tmp_path, "--resume", str(tmp_path / "ck"), "--shard", "1", "--shards", "2")
+    try:
+        assert not any("not applied" in line for line in lines)  # the shard is checked, not ignored
+        assert json.loads(lines[0].split("config ", 1)[1])["shard"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

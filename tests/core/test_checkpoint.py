@@ -1,3 +1,5 @@
+import hashlib
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +156,67 @@ def test_the_published_copy_round_trips_and_is_checked():
     state.fragments[1].published = np.zeros(8, np.float32)
     with pytest.raises(CheckpointError, match="fragment 1's published copy is float32 \\(8,\\)"):
         checkpoint.restore(as_bytes(state))
+
+
+def shard_state(shard, shards=2):
+    """some_state()'s model as shard `shard` of `shards`: its own fragments only."""
+    whole = some_state()
+    cfg = SyncerConfig(num_fragments=3, period=3, quorum=2, shard=shard, shards=shards)
+    state = syncer.new_state(cfg, whole.layout, [f.theta.copy() for f in whole.fragments])
+    for p in state.owned:
+        frag = state.fragments[p]
+        frag.momentum.buf[:] = whole.fragments[p].momentum.buf
+        frag.version, frag.rounds_opened = whole.fragments[p].version, whole.fragments[p].rounds_opened
+    state.global_step, state.merges = 41, 9
+    return state
+
+
+def test_a_shards_checkpoint_holds_its_own_fragments_and_says_which_shard_it_is(tmp_path):
+    state = shard_state(1)
+    assert state.owned == (1,)
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(as_bytes(state))
+    with safetensors.safe_open(path, framework="numpy") as f:
+        assert sorted(f.keys()) == ["momentum/1", "published/1", "theta/1"]
+        manifest = orjson.loads(f.metadata()["manifest"])
+    assert (manifest["shard"], manifest["shards"]) == (1, 2)
+    back = checkpoint.restore(path.read_bytes())
+    assert (back.config.shard, back.config.shards) == (1, 2) and back.owned == (1,)
+    assert syncer.state_hash(back) == syncer.state_hash(state)
+    assert back.holds_parameters and back.fragments[0].theta is None and back.fragments[2].theta is None
+    assert np.array_equal(back.fragments[1].momentum.buf, state.fragments[1].momentum.buf)
+    assert as_bytes(checkpoint.restore(as_bytes(back))) == as_bytes(back)
+
+
+def test_an_unsharded_checkpoint_names_no_shard_and_counts_as_0_of_1():
+    manifest = checkpoint.manifest_of(as_bytes(some_state()))
+    assert "shard" not in manifest and "shards" not in manifest
+    back = checkpoint.restore(FORMAT2.read_bytes())  # written before shards existed
+    assert (back.config.shard, back.config.shards) == (0, 1)
+    checkpoint.check_resumed_shard(back, 0, 1)
+
+
+def test_resuming_another_shards_checkpoint_is_refused_naming_both():
+    state = checkpoint.restore(as_bytes(shard_state(1)))
+    checkpoint.check_resumed_shard(state, 1, 2)
+    for shard, shards in ((0, 2), (1, 3), (0, 1)):
+        with pytest.raises(
+            CheckpointError, match=f"checkpoint is of shard 1 of 2, the configuration is shard {shard} of {shards}"
+        ):
+            checkpoint.check_resumed_shard(state, shard, shards)
+
+
+def test_a_manifest_whose_shard_disagrees_with_its_config_is_refused():
+    data = as_bytes(shard_state(0))
+    manifest = checkpoint.manifest_of(data)
+    manifest["shard"] = 1
+    raw = orjson.dumps(manifest)
+    (hlen,) = struct.unpack_from("<Q", data, 0)
+    header = orjson.loads(data[8 : 8 + hlen].rstrip(b" "))
+    header["__metadata__"]["manifest"] = raw.decode()
+    header["__metadata__"]["sha256"] = hashlib.sha256(raw).hexdigest()
+    body = orjson.dumps(header)
+    body += b" " * (-len(body) % 8)
+    forged = struct.pack("<Q", len(body)) + body + data[8 + hlen :]
+    with pytest.raises(CheckpointError, match="manifest says shard 1 of 2, its config shard 0 of 2"):
+        checkpoint.restore(forged)

@@ -87,6 +87,8 @@ class ScriptedRun:
                 self.learners[e.learner] = sender
                 if e.needs_init:
                     for f in self.state.layout.fragments:
+                        if not self.state.owns(f.index):  # a shard's learner sends it its own fragments
+                            continue
                         vec = sender.rng.standard_normal(f.padded_size).astype(np.float32)
                         self.send(
                             InitFragment(e.learner, f.index, codec.parse(codec.encode(vec, "fp32"))), sender=sender
@@ -120,7 +122,7 @@ class ScriptedRun:
         """The learners push the fragments due at their last step."""
         pending, self.due = self.due, []
         for lr, p in pending:
-            if lr.id in gone:
+            if lr.id in gone or not self.state.owns(p):
                 continue
             size = self.state.layout.fragments[p].padded_size
             vec = (lr.rng.standard_normal(size) * 0.01).astype(np.float32)
@@ -290,6 +292,45 @@ def test_a_run_resumed_from_a_checkpoint_replays_from_it(tmp_path):
     resumed = checkpoint.restore(b"".join(bytes(c) for c in checkpoint.to_chunks(first.state)))
     second = ScriptedRun(tmp_path / "second", state=resumed)
     a = second.join("a", 1, seed=4)
+    for _ in range(6):
+        second.step(a)
+        second.answer()
+    final = second.close()
+    tape = recording.read(tmp_path / "second")
+    assert tape.header["start"]["kind"] == "checkpoint"
+    result = replay.replay(tape)
+    assert result.ok, result.divergence
+    assert result.state_hash == final and result.merges_checked > 0
+
+
+def test_a_shards_run_and_a_run_resumed_from_its_checkpoint_replay(tmp_path):
+    """A shard's tape records its config (shard 1 of 2): replay builds the same shard, which merges
+    only fragment 1; a shard's checkpoint starts a tape as any checkpoint does."""
+    from ddiloco.core import checkpoint
+
+    config = SyncerConfig(num_fragments=2, period=2, shard=1, shards=2)
+    first = ScriptedRun(tmp_path / "first", config=config)
+    a = first.join("a", 1, seed=1)
+    b = first.join("b", 2, seed=2)
+    for _ in range(6):
+        for lr in (a, b):
+            first.step(lr)
+        first.answer()
+        first.now = round(first.now + 0.05, 6)
+        first.fire_timers()
+    final = first.close()
+    assert first.state.fragments[1].version > 0 and first.state.fragments[0].theta is None
+    tape = recording.read(tmp_path / "first")
+    assert (tape.header["config"]["shard"], tape.header["config"]["shards"]) == (1, 2)
+    result = replay.replay(tape)
+    assert result.ok, result.divergence
+    assert result.state_hash == final and result.merges_checked == first.state.fragments[1].version
+
+    resumed = checkpoint.restore(b"".join(bytes(c) for c in checkpoint.to_chunks(first.state)))
+    second = ScriptedRun(tmp_path / "second", state=resumed)
+    a = second.join("a", 1, seed=4)
+    a.versions[0] = 0  # what it holds of fragment 0 came from shard 0
+    a.step = second.state.global_step  # a learner joining counts from the welcome's global step
     for _ in range(6):
         second.step(a)
         second.answer()
