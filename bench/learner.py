@@ -189,9 +189,9 @@ class _CountingTransport:
         self.inner = inner
         self.pushes = 0
 
-    def push(self, item: Any) -> None:
+    def push(self, item: Any) -> bool:
         self.pushes += 1
-        self.inner.push(item)
+        return self.inner.push(item)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -98,6 +98,8 @@ class Checker:
         self._status: dict[int, LearnerStatus] = {}
         # fragment -> learner -> (base version, token weight, steps, tokens) of its admitted push waiting for a merge
         self._waiting: dict[int, dict[int, tuple[int, float, int, int]]] = {}
+        # (learner, fragment) -> (base, steps, tokens) of its last admissible push (core.syncer._increment)
+        self._pushed: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._sent: dict[tuple[int, int, str], str] = {}  # (fragment, version, codec) -> digest of values
         self._asked_init: set[int] = set()
         self._held: dict[int, list[int]] = {}
@@ -185,6 +187,7 @@ class Checker:
         self._totals, self._reported = dict(state.ledger.totals), state.ledger.reported
         self._check_ledger(state, now)
         self._waiting.clear()
+        self._pushed.clear()
         self._asked_init.clear()
         self._taken.clear()  # every learner rejoins, under an id a crashed syncer may hand out again
         self._snapshot(state)
@@ -253,8 +256,9 @@ class Checker:
 
     def _note_event(self, state: SyncerState, event: Event) -> None:
         """Remember every push that is admissible by the rules, judged with the state before it: it
-        waits for the next merge of its fragment, the newest of each learner replacing the older from
-        the same base, and joining one from an older base (the older base, the counters summed)."""
+        waits for the next merge of its fragment, counted by what it adds over the learner's previous push
+        from the same base, and joined with the learner's push still waiting (the older base, the
+        counters summed)."""
         if not isinstance(event, Push) or not 0 <= event.fragment < len(self._versions):
             return
         p = event.fragment
@@ -270,8 +274,13 @@ class Checker:
         if admissible:
             waiting = self._waiting.setdefault(p, {})
             base, steps, tokens = event.base_version, event.steps, event.tokens
+            last = self._pushed.get((event.learner, p))
+            self._pushed[(event.learner, p)] = (base, steps, tokens)
+            if last is not None and last[0] == base:  # an increment: its counters add only what is new
+                steps = max(0, steps - last[1])
+                tokens = max(0, tokens - last[2]) if steps else 0
             older = waiting.get(event.learner)
-            if older is not None and older[0] != base:
+            if older is not None:
                 base, steps, tokens = older[0], older[2] + steps, older[3] + tokens
             waiting[event.learner] = (base, token_weight(tokens, steps), steps, tokens)
 

@@ -371,7 +371,10 @@ class SimLearner:
         return tokens
 
     def _push(self, q: int) -> None:
-        delta = self.base[q] - self._gather(q)
+        # A push holds the progress since the last push of the fragment (as learner/sync.py): the
+        # next one starts from here, until a new version resets the base.
+        theta = self._gather(q)
+        delta, self.base[q] = self.base[q] - theta, theta
         payload = codec.encode(delta, self.profile.codec, self.layout.block)
         # The core's push value, made once, as learner.sync makes it; the network charges the codec's bytes.
         push = Push(

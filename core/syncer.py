@@ -11,8 +11,9 @@ Round life: a round of fragment p opens when the global step (the step of the K-
 learner) reaches a step t with t mod H == t_p. Nobody is asked: learners push fragment p on their own
 at their steps of that phase (protocol 2, docs/protocol.md "Learner-driven pushes"). The round takes
 what arrives: pushes kept while no round of p was open join it when it opens, later ones while it is
-open; one push per learner (a newer one replaces the older from the same base, and is summed with
-one from an older base). When K have arrived the grace window is
+open. A push holds the learner's progress since its previous push of the fragment (an increment), so
+a learner's pushes waiting for the same round are summed into one, weighted by the tokens they add.
+When K have arrived the grace window is
 computed, and the round closes when it expires, when every learner live at its opening that is still
 connected has delivered, or when the next round of the same fragment opens. Closing merges (mean or
 RDA, token weighted, a push s versions behind discounted by 1/(1+s)), applies the outer Nesterov step,
@@ -25,7 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -108,6 +109,9 @@ class LearnerRecord:
     peer_url: str = ""  # where it serves its state to (re)joining learners; "" if it does not
     # fragment -> the version last sent whole to it because its reports fell behind (WHOLE_RESEND_LAG)
     resent: dict[int, int] = field(default_factory=dict)
+    # fragment -> (base version, steps, tokens) of its last admitted push: the next push from the same
+    # base is an increment over it, and its merge weight counts only the steps and tokens it adds
+    pushed: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -512,15 +516,29 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
     older = waiting.get(ev.learner)
     if books:
         state.ledger.hold(ev.learner, ev.fragment, ev.tokens)
-    if older is not None and older.base_version != ev.base_version:
-        # The newer push starts from a newer base, so it does not hold the older one's progress (the
-        # learner kept only what it trained since, or overwrote the rest): both go into the round,
-        # summed as one push of the learner from the older base, their tokens held together. (From
-        # the same base the newer push holds the older one's progress: it replaces it.)
+    ev = _increment(rec, ev)
+    if older is not None:
+        # A push holds only what the learner trained since its previous push of the fragment
+        # (docs/protocol.md, "Learner-driven pushes"), so an older one still waiting is not part of
+        # it: both go into the round, summed as one push from the older base.
         ev = _joined_pushes(older, ev)
     waiting[ev.learner] = ev
     if frag.open is not None:
         _after_delivery(state, ev.fragment, now, out)
+
+
+def _increment(rec: LearnerRecord, ev: Push) -> Push:
+    """The push with the counters it adds: a learner's counters run since the version it holds
+    (the ledger's window), and a second push from the same base carries them again, grown; its
+    outer gradient holds only the progress since the first, and so its weight counts only the steps
+    and tokens since. A counter that shrank (a learner bug) adds nothing."""
+    last = rec.pushed.get(ev.fragment)
+    rec.pushed[ev.fragment] = (ev.base_version, ev.steps, ev.tokens)
+    if last is None or last[0] != ev.base_version:
+        return ev
+    steps = max(0, ev.steps - last[1])
+    tokens = max(0, ev.tokens - last[2]) if steps else 0
+    return replace(ev, steps=steps, tokens=tokens)
 
 
 def _joined_pushes(older: Push, newer: Push) -> Push:

@@ -83,6 +83,8 @@ class _Transport:
         self.calls = 0
         self.welcomes, self.current = 1, self.first
         self.pushes: list[tuple[int, Push]] = []
+        # (call, fragment) of the pushes the live transport did not send: the replay refuses them too
+        self.dropped = {(r["call"], r["fragment"]) for r in tape.of("dropped")}
         self.inits: list[tuple[int, int, bytes]] = []
         self.refused = None
 
@@ -102,8 +104,9 @@ class _Transport:
     def progress(self, item: session.ProgressInfo) -> None:
         pass  # the syncer's tape has the progress it received
 
-    def push(self, item: Push) -> None:
+    def push(self, item: Push) -> bool:
         self.pushes.append((self.calls, item))
+        return (self.calls, item.fragment) not in self.dropped
 
     def init(self, fragment: int, payload: bytes) -> None:
         self.inits.append((self.calls, fragment, payload))

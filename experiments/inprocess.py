@@ -322,12 +322,13 @@ class InProcessTransport:
         self._check()
         self._progress = (self._progress + [item])[-PROGRESS_QUEUED_MAX:]
 
-    def push(self, item: Push) -> None:
+    def push(self, item: Push) -> bool:
         self._check()
         if sum(isinstance(b, Push) for b in self._bulk) >= PUSHES_QUEUED_MAX:
-            self.pushes_dropped += 1  # as the client: a full push queue refuses; the next push carries its tokens
-            return
+            self.pushes_dropped += 1  # as the client: a full push queue refuses; the next push carries its progress
+            return False
         self._bulk.append(item)
+        return True
 
     def init(self, fragment: int, payload: bytes) -> None:
         self._check()

@@ -250,8 +250,8 @@ class HeldTransport:
     def progress(self, item: session.ProgressInfo) -> None:
         self.inner.progress(item)
 
-    def push(self, item: Any) -> None:
-        self.inner.push(item)
+    def push(self, item: Any) -> bool:
+        return self.inner.push(item)
 
     def init(self, fragment: int, payload: bytes) -> None:
         self.inner.init(fragment, payload)

@@ -126,14 +126,6 @@ class FragmentSync(NamedTuple):
 
 # The most calls an arrived version waits behind a push of its fragment (`DilocoSync._apply_arrived`).
 DEFER_CALLS_MAX = 2
-# The most due steps of a fragment skipped while this learner's last push of it, from the version it
-# still holds, awaits its merged version (`DilocoSync._outstanding`). A second push from the same
-# base would carry the first one's progress again: merged twice if the first was merged already. The
-# wait ends when a newer version is held, on a rejoin and on any error from the syncer (a refused
-# push); past this many due steps the first is taken for lost and the learner pushes again (if the
-# first still waits in its round, the newer replaces it there). Generous: a learner stepping in 1 ms
-# with 4 fragments due every 4 steps meets its due steps faster than a loaded syncer's round trip.
-PUSH_SKIPS_MAX = 16
 
 
 def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
@@ -144,12 +136,12 @@ def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int,
     return due
 
 
-class _Outstanding(NamedTuple):
-    """This learner's last push of a fragment: its base version, the due steps skipped since
-    (PUSH_SKIPS_MAX), and what it pushed: the host copy of the parameters and the counters then."""
+class _LastPush(NamedTuple):
+    """This learner's last push of a fragment: its base version and what it pushed: the host copy of
+    the parameters and the counters then. The next push from the same base is the increment over it
+    (theta - the parameters then), so no progress is pushed twice."""
 
     base: int
-    skips: int
     theta: np.ndarray
     steps: int
     tokens: int
@@ -217,8 +209,7 @@ class DilocoSync:
         self._deferred: dict[int, tuple[list[session.UpdateInfo], int]] = {}
         self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
         # fragment -> this learner's last push of it; void once a newer version is held
-        self._outstanding: dict[int, _Outstanding] = {}
-        self.pushes_held = 0  # due steps skipped behind an outstanding push; their tokens go with the next push
+        self._last_push: dict[int, _LastPush] = {}
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -349,7 +340,7 @@ class DilocoSync:
         initial parameters died and this one is asked instead."""
         self._learner_id = welcome.learner
         self.fragments = (FragmentSync(),) * len(self.fragments)
-        self._in_flight, self._deferred, self._outstanding = [], {}, {}  # of the old session
+        self._in_flight, self._deferred, self._last_push = [], {}, {}  # of the old session
         self._schedule(welcome)
         if welcome.needs_init:
             self._send_init(params)
@@ -436,10 +427,6 @@ class DilocoSync:
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
-        return tuple(q for q in self._scheduled_next() if not self._waits_on_push(q))
-
-    def _scheduled_next(self) -> tuple[int, ...]:
-        """The fragments the schedule makes due at the next call's step (none while a version is missing)."""
         if not self.fragments or any(f.version < 0 for f in self.fragments):
             return ()
         return self._due.get((self.step_count + 1) % self._period, ())
@@ -466,7 +453,7 @@ class DilocoSync:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
         client, _, layout = self._joined()
-        scheduled = self._scheduled_next()
+        scheduled = self.due_next
         self.step_count += 1
         self.calls += 1
         self.fragments = tuple(f.counted(tokens) for f in self.fragments)
@@ -480,15 +467,12 @@ class DilocoSync:
             scheduled = ()  # the schedule was of the old session
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
-        if errors:
-            self._outstanding.clear()  # a refused push comes back as no version: push again when due
         # Pushes started at an earlier call first: against the versions held then (a push of base v
         # that arrives after version v+1 was merged still counts, discounted: it is not overwritten).
         sent = self._send_in_flight() if self._in_flight else ()
         # Due fragments are copied before arrived versions overwrite them: the push keeps the
         # progress made since the version held.
-        held = self._held_back(scheduled)
-        for q in (q for q in scheduled if q not in held):
+        for q in scheduled:
             self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
@@ -572,8 +556,13 @@ class DilocoSync:
         for q, (chain, waited) in sorted(arrived.items()):
             if q in busy and waited < DEFER_CALLS_MAX:
                 self._deferred[q] = (chain, waited + 1)
-            else:
-                params = self._apply(params, q, chain)
+                continue
+            if any(f.fragment == q for f in self._in_flight):
+                # Waited long enough (a fragment due every step or two): its push, copied before this
+                # version, goes out first (waiting for the copy), so that what the version keeps of
+                # this learner's progress starts where that push ends and nothing is pushed twice.
+                self._send_in_flight(q)
+            params = self._apply(params, q, chain)
         return params
 
     def _kept_progress(self, q: int, frag: FragmentSync) -> tuple[np.ndarray, int, int] | None:
@@ -583,29 +572,16 @@ class DilocoSync:
         docs/algorithm.md, "Progress carried over a merge"."""
         if not self.config.keep_progress or self.config.alpha or frag.base is None or frag.version < 0:
             return None
-        last = self._outstanding.get(q)
+        last = self._last_push.get(q)
         if last is not None and last.base == frag.version:
             return last.theta, frag.steps - last.steps, frag.tokens - last.tokens
         return frag.base, frag.steps, frag.tokens
 
-    def _waits_on_push(self, q: int) -> bool:
-        """Whether fragment q's due steps are skipped now: this learner's last push of q, from the
-        version it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
-        last = self._outstanding.get(q)
-        return last is not None and last.base == self.fragments[q].version and last.skips < PUSH_SKIPS_MAX
-
-    def _held_back(self, due: tuple[int, ...]) -> tuple[int, ...]:
-        """Of the fragments the schedule makes due, those skipped (counted against PUSH_SKIPS_MAX)."""
-        held = tuple(q for q in due if self._waits_on_push(q))
-        for q in held:
-            self._outstanding[q] = self._outstanding[q]._replace(skips=self._outstanding[q].skips + 1)
-        self.pushes_held += len(held)
-        return held
-
-    def _send_in_flight(self) -> tuple[int, ...]:
-        """Encode and send the pushes whose host copies earlier calls started, in the order started;
-        the fragments pushed."""
-        flights, self._in_flight = self._in_flight, []
+    def _send_in_flight(self, fragment: int | None = None) -> tuple[int, ...]:
+        """Encode and send the pushes whose host copies were started (of `fragment` only, if given),
+        in the order started; the fragments pushed."""
+        flights = [f for f in self._in_flight if fragment is None or f.fragment == fragment]
+        self._in_flight = [f for f in self._in_flight if f not in flights]
         for flight in flights:
             self._push(flight)
         return tuple(f.fragment for f in flights)
@@ -620,21 +596,27 @@ class DilocoSync:
             log.warning("push of fragment %d at step %d skipped: its parameters were donated", q, flight.step)
             return
         theta = tree.finish_gather(q, flight.leaves)
+        # The progress since this learner's last push of the fragment from the same version (that
+        # one is in the syncer's hands), else since the version: each step's progress is pushed once.
+        last = self._last_push.get(q)
+        since = last.theta if last is not None and last.base == frag.version else frag.base
         payload, feedback = _encode_delta(
-            frag.base - theta,
+            since - theta,
             self.fragments[q].feedback,
             self.config,
             layout.block,
             self.parallel_kernels,
         )
-        self._set(q, self.fragments[q]._replace(feedback=feedback))
         # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
         # the hook knows it (the syncer takes the sender from the connection, not from the push).
         push = Push(self.learner_id, q, flight.step, frag.version, frag.steps, frag.tokens, codec.parse(payload))
         if self.tape is not None:
             self.tape.push(self.calls, push)
-        client.push(push)
-        self._outstanding[q] = _Outstanding(frag.version, 0, theta, frag.steps, frag.tokens)
+        if client.push(push) is not False:  # a transport that returns nothing sent it
+            self._set(q, self.fragments[q]._replace(feedback=feedback))
+            self._last_push[q] = _LastPush(frag.version, theta, frag.steps, frag.tokens)
+        elif self.tape is not None:  # not sent: the next push starts from where this one did
+            self.tape.dropped(self.calls, q)
 
     def _set(self, q: int, frag: FragmentSync) -> None:
         self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1 :]

@@ -45,7 +45,7 @@ __all__ = [
 
 MAGIC = b"DDLTAPE\x01"
 TAPE_FILE = "learner.ddtp"
-KINDS = ("header", "welcome", "recover", "take", "push", "init", "publish", "close")
+KINDS = ("header", "welcome", "recover", "take", "push", "dropped", "init", "publish", "close")
 
 
 class LearnerTapeError(tapes.TapeError):
@@ -144,6 +144,10 @@ class LearnerTapeWriter(recording.RecordWriter):
                 "sha256": payload_sha256(push.payload),
             }
         )
+
+    def dropped(self, call: int, fragment: int) -> None:
+        """The push of `fragment` recorded at `call` was not sent (the transport's queue was full)."""
+        self._append({"type": "dropped", "call": call, "fragment": fragment})
 
     def init(self, call: int, fragment: int, payload: bytes) -> None:
         self._append({"type": "init", "call": call, "fragment": fragment, "sha256": sha256(payload)})

@@ -43,8 +43,9 @@ class Transport(Protocol):
         """Report the learner's step, versions held and counters (only the newest report matters)."""
         ...
 
-    def push(self, item: Push) -> None:
-        """Send an outer gradient (the learner pushes on its own schedule, protocol 2)."""
+    def push(self, item: Push) -> bool:
+        """Send an outer gradient (the learner pushes on its own schedule, protocol 2). False: not
+        sent (a full queue, counted by the transport): the hook pushes that progress with its next push."""
         ...
 
     def init(self, fragment: int, payload: bytes) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import threading
 import time
@@ -181,7 +182,17 @@ class SyncerClient:
         """False when the push queue is full: the push is dropped, counted in `pushes_dropped` and
         logged (the caller keeps its counters and tries next time)."""
         if len(self._bulk) >= self.config.pushes_queued_max:
-            self.pushes_dropped += 1
+            self.dropped(push)
+            return False
+        self._bulk.append((welcomes, push))
+        self._wake.set()
+        return True
+
+    def dropped(self, push: Push) -> None:
+        """Count a push refused for a full queue; logged at the 1st, 10th, 100th... so that a learner
+        far faster than its link says so without a line per push."""
+        self.pushes_dropped += 1
+        if math.log10(self.pushes_dropped).is_integer():
             log.warning(
                 "push of fragment %d at step %d dropped: %d messages already queued (%d pushes dropped so far)",
                 push.fragment,
@@ -189,10 +200,6 @@ class SyncerClient:
                 len(self._bulk),
                 self.pushes_dropped,
             )
-            return False
-        self._bulk.append((welcomes, push))
-        self._wake.set()
-        return True
 
     def queue_init(self, fragment: int, payload: bytes, welcomes: int | None = None) -> None:
         self._bulk.append((welcomes, session.InitInfo(fragment, payload)))
@@ -481,6 +488,10 @@ class ThreadedClient:
         self._markers: list[int] = []  # collected by `_take` on the loop, given out by `take_markers`
         self._taken: tuple[int, tuple] | None = None  # (inbox deliveries, welcomes) as of the last `_take`
         self._failed: BaseException | None = None  # the client could not be made (a CA file that is unusable)
+        # Pushes handed to the loop and not yet in its queue: with the queue's length, what `push`
+        # decides a full queue by, on the caller's thread, so that the hook knows at once
+        self._handed = 0
+        self._handed_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -574,12 +585,28 @@ class ThreadedClient:
         """Pushes the network thread refused for a full queue (SyncerClient.queue_push)."""
         return self._client.pushes_dropped
 
-    def push(self, item: Push) -> None:
-        """Queued on the network thread; one that finds the queue full is counted in `pushes_dropped`.
-        The push crosses to that thread as it is (one hand-off, nothing copied): its writer copies the
-        payload into the frames (net.session.bulk_frames)."""
+    def push(self, item: Push) -> bool:
+        """Queued on the network thread, or False at once when its queue is full (counted in
+        `pushes_dropped`, logged): the hook then pushes that progress with its next push. The push
+        crosses to that thread as it is (one hand-off, nothing copied): its writer copies the payload
+        into the frames (net.session.bulk_frames)."""
         self._check()
-        self._loop.call_soon_threadsafe(self._client.queue_push, item, self._welcomes_seen)
+        client = self._client
+        with self._handed_lock:
+            if len(client._bulk) + self._handed >= client.config.pushes_queued_max:
+                full = True
+            else:
+                full, self._handed = False, self._handed + 1
+        if full:
+            self._loop.call_soon_threadsafe(client.dropped, item)
+            return False
+        self._loop.call_soon_threadsafe(self._hand_over, item, self._welcomes_seen)
+        return True
+
+    def _hand_over(self, item: Push, welcomes: int) -> None:
+        with self._handed_lock:
+            self._handed -= 1
+        self._client.queue_push(item, welcomes)
 
     def init(self, fragment: int, payload: bytes) -> None:
         self._check()

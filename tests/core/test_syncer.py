@@ -309,15 +309,22 @@ def test_bad_pushes_rejected_state_untouched(change, code):
     assert h.state.rejections[code] == 1
 
 
-def test_a_newer_push_replaces_the_older_one_of_the_same_learner():
+def test_a_second_push_from_the_same_base_is_an_increment_summed_with_the_waiting_one():
     h = Harness(quorum=2)
     two_live(h)
     fragment, rnd = open_round(h, 1)
     h.send(Progress(1, 3, (0, 0), (3, 3), (300, 300)))
-    h.push(1, fragment, 1, tokens=100, steps=1)
-    newer = h.push(1, fragment, 3, tokens=300, steps=3)  # the same base: it holds the older one's progress
+    size = h.state.layout.fragments[fragment].padded_size
+    first, second = (np.random.default_rng(s).standard_normal(size).astype(np.float32) * 0.01 for s in (5, 6))
+    h.push(1, fragment, 1, tokens=100, steps=1, vec=first)
+    # The same base: the newer push holds only the progress since the first (its counters, grown, say
+    # 300 tokens over 3 steps since the version; it adds 200 over 2).
+    newer = h.push(1, fragment, 3, tokens=300, steps=3, vec=second)
     assert not h.of(SendError, newer)
-    assert h.state.fragments[fragment].open.pushes[1].step == 3
+    joined = h.state.fragments[fragment].open.pushes[1]
+    assert (joined.step, joined.base_version, joined.steps, joined.tokens) == (3, 0, 3, 300)
+    want = codec.parse(codec.encode(first, "int4")).decode() + codec.parse(codec.encode(second, "int4")).decode()
+    np.testing.assert_array_equal(joined.payload.decode(), want)
     (merged,) = h.of(Merged, h.push(2, fragment, 1))
     assert merged.learners == (1, 2)
     assert h.state.ledger.of_learner(1)["merged"] == 300  # carried over, counted once
@@ -331,14 +338,15 @@ def test_a_push_from_a_newer_base_joins_the_waiting_one_and_nothing_is_lost():
     h.push(1, fragment, 1, tokens=100, steps=1)
     h.push(2, fragment, 1)  # merged: version 1, learner 1's push merged
     h.send(Progress(2, 2, (0, 0), (2, 2), (200, 200)))
-    h.push(2, fragment, 2, base=0, tokens=200, steps=2)  # late: kept for the next round
+    # Late (kept for the next round) and an increment over the merged one: it adds 100 tokens over 1 step.
+    h.push(2, fragment, 2, base=0, tokens=200, steps=2)
     h.send(Progress(2, 3, (0, 1), (3, 1), (300, 100)))  # it took version 1: the window of version 0 closed
     lost = h.state.ledger.totals["lost"]
     kept = h.state.fragments[fragment].kept[2].payload.decode()
     newer = h.push(2, fragment, 3, base=1, tokens=100, steps=1)  # from a newer base: not the kept one's progress
     assert not h.of(SendError, newer)
     joined = h.state.fragments[fragment].kept[2]
-    assert (joined.base_version, joined.tokens, joined.steps) == (0, 300, 3)  # the older base: discounted as late
+    assert (joined.base_version, joined.tokens, joined.steps) == (0, 200, 2)  # the older base: discounted as late
     size = h.state.layout.fragments[fragment].padded_size
     newer_vec = np.random.default_rng(2).standard_normal(size).astype(np.float32) * 0.01  # Harness.push's
     np.testing.assert_array_equal(joined.payload.decode(), kept + codec.parse(codec.encode(newer_vec, "int4")).decode())

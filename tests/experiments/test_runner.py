@@ -59,7 +59,7 @@ class _Recorded:
 
     def push(self, item):
         self.pushed.add((item.learner, item.fragment, item.step))
-        self.client.push(item)
+        return self.client.push(item)
 
     def __getattr__(self, name):
         return getattr(self.client, name)

@@ -13,6 +13,7 @@ import pytest
 
 from ddiloco.core import syncer
 from ddiloco.core.layout import LayoutError, build_layout
+from ddiloco.core.outer import OuterConfig
 from ddiloco.errors import UserError
 from ddiloco.learner.sync import DilocoSync, FragmentSync, NotJoinedError, SyncConfig
 from ddiloco.learner.tree import TreeFragments, tensor_specs
@@ -314,3 +315,53 @@ def test_a_version_arriving_after_the_push_keeps_what_was_trained_since(threaded
     assert lost_while_training == 0 and merged_share > 0.8
     lost_while_training, _ = _run_alone(threaded_syncer, keep_progress=False)
     assert lost_while_training > 0
+
+
+def test_every_step_of_progress_is_merged_once_however_often_the_learner_pushes(threaded_syncer):
+    """One learner, outer lr 1 without momentum, fp32 both ways: the syncer's model is the initial one
+    plus every step the learner took, once. The learner steps faster than versions come back, so it
+    pushes several times from one version: each push is the increment since the one before, and a
+    push counted twice (or a step never pushed) would show in the sum."""
+    s = threaded_syncer(
+        num_fragments=2,
+        period=2,
+        quorum=1,
+        token=TOKEN,
+        merge="mean",
+        outer=OuterConfig(lr=1.0, momentum=0.0),
+        broadcast_codec="fp32",
+        push_codecs=("fp32",),
+    )
+    params, target = model32(1), model32(10)
+    sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, codec="fp32"))
+    tree = sync.tree
+    start = [tree.gather(params, q).copy() for q in range(2)]
+    trained = [np.zeros_like(x) for x in start]  # the sum of every step's change, per fragment
+    pushes_from: dict[tuple[int, int], int] = {}  # (fragment, version held) -> pushes made from it
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and (
+            s.server.state.merges < 8 or sum(n > 1 for n in pushes_from.values()) < 3
+        ):
+            for q in sync.due_next:
+                key = (q, sync.fragments[q].version)
+                pushes_from[key] = pushes_from.get(key, 0) + 1
+            stepped = jax.tree.map(lambda x, t: x - 0.2 * (x - t), params, target)
+            for q in range(2):
+                trained[q] += tree.gather(stepped, q) - tree.gather(params, q)
+            params = sync.step(stepped, tokens=128)
+            time.sleep(0.001)
+        assert sum(n > 1 for n in pushes_from.values()) >= 3, pushes_from
+        # No more training: every step taken goes out and is merged; three more versions of each
+        # fragment after the last step's push mean its round has closed.
+        versions = [f.version for f in sync.fragments]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(f.version < v + 3 for f, v in zip(sync.fragments, versions)):
+            params = sync.step(params, tokens=1)  # no change, but a weight: the rounds merge
+            time.sleep(0.002)
+        for q in range(2):
+            held = s.server.state.fragments[q].theta
+            np.testing.assert_allclose(held[: start[q].size], start[q] + trained[q], rtol=0, atol=1e-4)
+        assert all(f.version >= v + 3 for f, v in zip(sync.fragments, versions)), (versions, sync.versions)
+    finally:
+        sync.close()
