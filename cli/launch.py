@@ -43,10 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--log-dir",
         type=Path,
         default=Path("ddiloco-logs"),
-        help="syncer.log and learner-<i>.log, on each node (default ./ddiloco-logs)",
+        help="syncer.log (syncer-<i>.log per shard) and learner-<i>.log, on each node (default ./ddiloco-logs)",
     )
     r.add_argument("--host", default="0.0.0.0", help="where the syncer listens (default every interface)")
     r.add_argument("--port", type=int, default=8470, help="the syncer's port, kept across its restarts (default 8470)")
+    r.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the syncer into N shards by fragment (default 1): shard i listens on --port + i and "
+        "checkpoints to --checkpoint-dir/shard-i; every learner dials them all",
+    )
     r.add_argument("--advertise-host", help="what learners dial (default: the syncer node's address)")
     r.add_argument(
         "--tls-cert", type=Path, metavar="FILE", help="serve wss:// with this PEM certificate (needs --tls-key)"
@@ -130,6 +138,7 @@ def config_from_args(args: argparse.Namespace):
         token=read_token_file(args.token_file),
         host=args.host,
         port=args.port,
+        shards=args.shards,
         advertise_host=args.advertise_host,
         tls_cert=_read(args.tls_cert, "the TLS certificate"),
         tls_key=_read(args.tls_key, "the TLS key"),
@@ -170,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         json.dumps(
             {
-                "syncer": job.syncer_url,
-                "status": job.status_url,
+                "syncer": ",".join(job.syncer_urls),  # what `ddiloco learner --syncer` takes
+                "status": job.status_url if len(job.status_urls) == 1 else job.status_urls,
                 "learners": config.learners,
                 "logs": str(config.log_dir),
                 "checkpoints": str(config.checkpoint_dir),

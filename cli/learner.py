@@ -18,7 +18,13 @@ if TYPE_CHECKING:  # the learner extra (jax) is imported only when a learner run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--syncer", required=True, help="the syncer's websocket URL, e.g. ws://127.0.0.1:8470/ws")
+    p.add_argument(
+        "--syncer",
+        required=True,
+        metavar="URL[,URL...]",
+        help="the syncer's websocket URL, e.g. ws://127.0.0.1:8470/ws; for a syncer split into shards, "
+        "every shard's URL separated by commas (in any order)",
+    )
     p.add_argument("--token-file", type=Path, help="file holding the shared bearer token")
     p.add_argument(
         "--tls-ca",
@@ -148,12 +154,13 @@ def _learner_config(args: argparse.Namespace, **only_some: object) -> LearnerCon
     """The learner's settings from the flags both kinds of learner share; `only_some`: the rest."""
     from ddiloco.demo.learner_process import LearnerConfig
     from ddiloco.net.auth import read_token_file
+    from ddiloco.net.sharded import split_urls
     from ddiloco.reference import data, model
 
     shard = data.Shard.parse(args.shard)
     with user_input():  # the configs check the values the flags gave
         return LearnerConfig(
-            syncer=args.syncer,
+            syncer=",".join(split_urls(args.syncer)),  # a bad list of shard URLs is refused before JAX compiles
             name=args.name or f"learner-{shard.index}",
             shard=shard,
             # The syncer is where a shared token file is refused; a learner reading one only warns.

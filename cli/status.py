@@ -1,10 +1,14 @@
-"""`ddiloco status URL`: a running syncer at a glance; `--json` for its raw /status document.
+"""`ddiloco status URL [URL ...]`: a running syncer at a glance; `--json` for its raw /status document.
 
 The summary: uptime, step and merges; the checkpoint's health; what needs looking at (warnings); a
 table of the learners (status, step, versions behind, last seen, merged and late shares of their
 pushed tokens); the fragments' versions and last rounds; the last decisions with their reasons; the
 token ledger with each fate's share. Learner names are the learners' own text: a character that is
 not printable (an escape sequence that would drive the operator's terminal) is shown escaped.
+
+With several URLs, those of a syncer split into shards (core.shards): one summary of them all
+(net.shard_status: total merges, learners by name, each fragment's version from its owner, a row per
+shard). A shard that cannot be read is shown as down beside the others, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ddiloco.core.shards import SHARDS_MAX
 from ddiloco.errors import FaultError, UserError
 from ddiloco.net import tls
+from ddiloco.net.shard_status import merge_status
 
-__all__ = ["add_arguments", "render", "run"]
+__all__ = ["add_arguments", "render", "render_shards", "run"]
 
 DECISIONS_PRINTED = 8
 NAME_CHARS_PRINTED = 40  # a longer name is cut (with "...") so the table stays a table
@@ -27,8 +34,16 @@ PUSHED_FATES = ("merged", "merged_late", "late", "stale", "rejected")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="the syncer's HTTP address, e.g. http://127.0.0.1:8470")
-    p.add_argument("--json", action="store_true", help="print the raw /status JSON instead of the summary")
+    p.add_argument(
+        "url",
+        nargs="+",
+        help="the syncer's HTTP address, e.g. http://127.0.0.1:8470; for a sharded syncer, every shard's",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the raw /status JSON instead of the summary (several URLs: the shards' merged into one)",
+    )
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument(
         "--tls-ca",
@@ -39,15 +54,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/")
+    urls = [_checked_url(u, args.tls_ca) for u in args.url]
+    if len(urls) > SHARDS_MAX:
+        raise UserError(f"{len(urls)} URLs, more than the {SHARDS_MAX} shards a syncer may have")
+    if len(set(urls)) != len(urls):
+        raise UserError("a URL is given twice")
+    if len(urls) > 1:
+        return _run_shards(urls, args)
+    doc = _fetch(urls[0], args)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render(doc, urls[0]))
+    return 0
+
+
+def _run_shards(urls: list[str], args: argparse.Namespace) -> int:
+    """Every shard read at once; one that cannot be read is a row of its own, down."""
+
+    def read(url: str) -> tuple[str, dict | None, str | None]:
+        try:
+            return url, _fetch(url, args), None
+        except FaultError as exc:
+            return url, None, str(exc)
+
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        readings = list(pool.map(read, urls))
+    if all(doc is None for _, doc, _ in readings):
+        raise FaultError(
+            f"cannot reach any of the {len(urls)} shards: " + "; ".join(str(e) for _, _, e in readings),
+            what_to_do="check that the syncer's shards run and listen at those addresses",
+        )
+    merged = merge_status(readings)
+    if args.json:
+        json.dump(merged, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_shards(merged))
+    down = [row["url"] for row in merged["per_shard"] if not row["up"]]
+    if down:
+        print(f"ddiloco status: {len(down)} of {len(urls)} shards down: {', '.join(down)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _checked_url(given: str, tls_ca: Path | None) -> str:
+    url = given.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise UserError(f"URL must start with http:// or https://, got {args.url!r}")
-    if args.tls_ca is not None and not url.startswith("https://"):
-        raise UserError(f"--tls-ca only applies to an https:// URL, got {args.url!r}")
+        raise UserError(f"URL must start with http:// or https://, got {given!r}")
+    if tls_ca is not None and not url.startswith("https://"):
+        raise UserError(f"--tls-ca only applies to an https:// URL, got {given!r}")
+    return url
+
+
+def _fetch(url: str, args: argparse.Namespace) -> dict:
+    """The /status document at `url`; FaultError when it cannot be read."""
     context = tls.client_context(args.tls_ca) if url.startswith("https://") else None
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=args.timeout_s, context=context) as resp:
-            doc = json.loads(resp.read())
+            return json.loads(resp.read())
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         if tls.is_certificate_error(reason if isinstance(reason, BaseException) else exc):
@@ -64,12 +130,6 @@ def run(args: argparse.Namespace) -> int:
             f"{url}/status did not answer JSON: {exc}",
             what_to_do="check that the address is a ddiloco syncer's HTTP port",
         ) from exc
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(render(doc, url))
-    return 0
 
 
 def render(doc: dict, url: str) -> str:
@@ -141,6 +201,67 @@ def _shard(doc: dict) -> str:
     if doc.get("shards", 1) <= 1:
         return ""
     return f", shard {doc['shard']} of {doc['shards']} (fragments {', '.join(map(str, doc['owned']))})"
+
+
+def render_shards(merged: dict) -> str:
+    """The readable summary of a sharded syncer (net.shard_status.merge_status)."""
+    down = merged["shards_down"]
+    step = merged["global_step"]
+    out = [
+        f"sharded syncer: {merged['shards']} shards"
+        + (f", {down} DOWN" if down else ", all up")
+        + f"; merges {merged['merges']}, global step {'?' if step is None else step}"
+    ]
+    rows = [["shard", "url", "state", "up for", "step", "merges", "learners", "checkpoint"]]
+    for s in merged["per_shard"]:
+        shard = "?" if s["shard"] is None else str(s["shard"])
+        if not s["up"]:
+            rows.append([shard, s["url"], "DOWN", "-", "-", "-", "-", _text(s["error"] or "")])
+            continue
+        rows.append(
+            [
+                shard,
+                s["url"],
+                "up",
+                _duration(s["uptime_s"] or 0.0),
+                str(s["global_step"]),
+                str(s["merges"]),
+                str(s["learners"]),
+                _checkpoint(s["checkpoint"]),
+            ]
+        )
+    out.extend(_table(rows))
+    warnings = merged["warnings"]
+    out.append(f"warnings: {len(warnings) or 'none'}")
+    out.extend(f"  ! {_text(w)}" for w in warnings)
+
+    out.append(f"\nlearners: {len(merged['learners'])}")
+    rows = [["name", "step", "status by shard"]]
+    for lr in merged["learners"]:
+        statuses = ", ".join(
+            f"{shard}: {status}" for shard, status in sorted(lr["status"].items(), key=lambda kv: int(kv[0]))
+        )
+        rows.append([_name(lr["name"]), str(lr["step"]), statuses])
+    out.extend(_table(rows))
+
+    out.append(f"\nfragments: {len(merged['fragments'])}")
+    rows = [["fragment", "shard", "version", "last merge", "round open"]]
+    for f in merged["fragments"]:
+        if not f["up"]:
+            rows.append([str(f["index"]), str(f["shard"]), "down", "-", "-"])
+            continue
+        ago = f.get("last_merge_s_ago")
+        rows.append(
+            [
+                str(f["index"]),
+                str(f["shard"]),
+                str(f["version"]),
+                "never" if ago is None else f"{ago:.1f} s ago",
+                "-" if f.get("round_open") is None else str(f["round_open"]),
+            ]
+        )
+    out.extend(_table(rows))
+    return "\n".join(out) + "\n"
 
 
 def _checkpoint(ck: dict | None) -> str:

@@ -5,6 +5,10 @@ cluster; the SLURM script and the Kubernetes manifests in `deploy/` run the same
 The launcher owns the flags that wire the job together (where the syncer listens, the token and
 certificate files, each learner's shard and name); everything else passes through unchanged to
 `ddiloco syncer` and `ddiloco learner`, so their `--help` is the reference for it.
+
+A syncer split into N shards (core.shards, `shards`) is N `ddiloco syncer --shard i --shards N`
+processes, shard i listening on `port + i` and checkpointing to `checkpoint_dir/shard-i`; every
+learner is given every shard's URL.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddiloco.core.shards import SHARDS_MAX
 from ddiloco.net.auth import AuthConfigError, check_token
 
 __all__ = [
@@ -20,7 +25,9 @@ __all__ = [
     "SYNCER_FLAGS_OWNED",
     "LaunchConfig",
     "learner_argv",
+    "shard_checkpoint_dir",
     "syncer_argv",
+    "syncer_log_name",
     "syncer_urls",
 ]
 
@@ -40,6 +47,8 @@ SYNCER_FLAGS_OWNED = (
     "--tls-key",
     "--insecure-no-auth",
     "--allow-shared-token",
+    "--shard",
+    "--shards",
 )
 LEARNER_FLAGS_OWNED = ("--syncer", "--token-file", "--shard", "--name", "--tls-ca")
 _ANY_INTERFACE = ("0.0.0.0", "::", "")
@@ -53,6 +62,7 @@ class LaunchConfig:
     token: str = field(repr=False)  # the shared bearer token (net.auth); never printed, never on a command line
     host: str = "0.0.0.0"  # where the syncer listens
     port: int = 8470  # fixed, not 0: a restarted syncer must come back where the learners dial
+    shards: int = 1  # syncer processes, each owning the fragments p with p mod shards == its index; on port + index
     advertise_host: str | None = None  # what learners dial (default: the syncer node's address)
     # PEM contents, not paths: the nodes need not share a filesystem (the key is written 0600 there)
     tls_cert: bytes | None = field(default=None, repr=False)
@@ -72,8 +82,13 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.learners <= LEARNERS_MAX:
             raise ValueError(f"learners must lie in [1, {LEARNERS_MAX}], got {self.learners}")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"port must lie in [1, 65535] (a restarted syncer comes back on it), got {self.port}")
+        if not 1 <= self.shards <= SHARDS_MAX:
+            raise ValueError(f"shards must lie in [1, {SHARDS_MAX}], got {self.shards}")
+        if not 1 <= self.port <= 65536 - self.shards:
+            raise ValueError(
+                f"port must lie in [1, {65536 - self.shards}] (a restarted syncer comes back on it, "
+                f"shard i on port + i), got {self.port}"
+            )
         try:
             check_token(self.token)
         except AuthConfigError as exc:
@@ -115,43 +130,73 @@ def _refuse_owned(what: str, args: Sequence[str], owned: Sequence[str]) -> None:
             raise ValueError(f"{what}: {flag} is set by the launcher itself (it owns {', '.join(owned)})")
 
 
-def syncer_urls(config: LaunchConfig, node_address: str) -> tuple[str, str]:
-    """(the learners' websocket URL, the HTTP address for /status) of a syncer on `node_address`."""
+def _check_shard(config: LaunchConfig, shard: int) -> None:
+    if not 0 <= shard < config.shards:
+        raise ValueError(f"syncer shard must lie in [0, {config.shards}), got {shard}")
+
+
+def shard_checkpoint_dir(config: LaunchConfig, shard: int = 0) -> Path:
+    """Where syncer shard `shard` checkpoints: `checkpoint_dir` itself for an unsharded syncer, else
+    its own directory under it (a shard resumes only its own checkpoints)."""
+    _check_shard(config, shard)
+    return config.checkpoint_dir if config.shards == 1 else config.checkpoint_dir / f"shard-{shard}"
+
+
+def syncer_log_name(config: LaunchConfig, shard: int = 0) -> str:
+    """The log file of syncer shard `shard` in `log_dir`."""
+    _check_shard(config, shard)
+    return "syncer.log" if config.shards == 1 else f"syncer-{shard}.log"
+
+
+def syncer_urls(config: LaunchConfig, node_address: str, shard: int = 0) -> tuple[str, str]:
+    """(the learners' websocket URL, the HTTP address for /status) of syncer shard `shard` on `node_address`."""
+    _check_shard(config, shard)
     host = config.advertise_host or (node_address if config.host in _ANY_INTERFACE else config.host)
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal
     secure = "s" if config.tls else ""
-    return f"ws{secure}://{host}:{config.port}/ws", f"http{secure}://{host}:{config.port}"
+    port = config.port + shard
+    return f"ws{secure}://{host}:{port}/ws", f"http{secure}://{host}:{port}"
 
 
 def syncer_argv(
-    config: LaunchConfig, token_file: Path, resume: bool, tls_files: tuple[Path, Path] | None = None
+    config: LaunchConfig, token_file: Path, resume: bool, tls_files: tuple[Path, Path] | None = None, shard: int = 0
 ) -> list[str]:
-    """The arguments of `ddiloco syncer`: a restarted one resumes from its newest checkpoint."""
+    """The arguments of `ddiloco syncer` (shard `shard`): a restarted one resumes from its newest checkpoint."""
     args = [
         "--host",
         config.host,
         "--port",
-        str(config.port),
+        str(config.port + shard),
         "--auth-token-file",
         str(token_file),
         "--resume" if resume else "--checkpoint-dir",
-        str(config.checkpoint_dir),
+        str(shard_checkpoint_dir(config, shard)),
     ]
+    if config.shards > 1:
+        args += ["--shard", str(shard), "--shards", str(config.shards)]
     if tls_files is not None:
         args += ["--tls-cert", str(tls_files[0]), "--tls-key", str(tls_files[1])]
     return args + list(config.syncer_args)
 
 
 def learner_argv(
-    config: LaunchConfig, index: int, syncer_url: str, token_file: Path, ca_file: Path | None = None
+    config: LaunchConfig,
+    index: int,
+    syncer_url: str | Sequence[str],
+    token_file: Path,
+    ca_file: Path | None = None,
 ) -> list[str]:
-    """The arguments of learner `index`'s `ddiloco learner`: its shard of the data and its name."""
+    """The arguments of learner `index`'s `ddiloco learner`: its shard of the data and its name, and
+    the syncer's URL (every shard's, for a sharded syncer)."""
     if not 0 <= index < config.learners:
         raise ValueError(f"learner index must lie in [0, {config.learners}), got {index}")
+    urls = [syncer_url] if isinstance(syncer_url, str) else list(syncer_url)
+    if len(urls) != config.shards:
+        raise ValueError(f"a learner needs the URL of each of the {config.shards} syncer shard(s), got {len(urls)}")
     args = [
         "--syncer",
-        syncer_url,
+        ",".join(urls),
         "--token-file",
         str(token_file),
         "--shard",

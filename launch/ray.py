@@ -23,6 +23,9 @@ policy covers both a lost node and a crashed command:
   spread over the nodes, and a restarted one rejoins by itself like any restarted learner (it
   recovers parameters and optimizer state from a live peer or the syncer).
 
+With `shards` > 1 the syncer is that many actors, shard i on `port + i` with its own checkpoint
+directory (launch.plan), and every learner dials them all.
+
 The token and any TLS key travel to the actors as arguments (Ray's own channels: run Ray with TLS
 across untrusted networks) and reach the commands as 0600 files in 0700 temporary directories.
 """
@@ -36,16 +39,24 @@ import re
 import ssl
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from ddiloco.launch.plan import LaunchConfig, learner_argv, syncer_argv, syncer_urls
+from ddiloco.launch.plan import (
+    LaunchConfig,
+    learner_argv,
+    shard_checkpoint_dir,
+    syncer_argv,
+    syncer_log_name,
+    syncer_urls,
+)
 from ddiloco.launch.process import LaunchError, PrivateDir, Supervised, ddiloco_command
 from ddiloco.net import store
+from ddiloco.net.shard_status import merge_status
 
 __all__ = ["LearnerActor", "RayLaunch", "SyncerActor", "launch"]
 
@@ -80,10 +91,13 @@ def _resume_from(checkpoint_dir: Path) -> bool:
 
 
 class SyncerActor:
-    """`ddiloco syncer` on this node; the constructor returns once it listens."""
+    """`ddiloco syncer` (shard `shard` of `config.shards`) on this node; the constructor returns once it listens."""
 
-    def __init__(self, config: LaunchConfig) -> None:
+    def __init__(self, config: LaunchConfig, shard: int = 0) -> None:
         self.config = config
+        self.shard = shard
+        checkpoint_dir = shard_checkpoint_dir(config, shard)
+        log_path = config.log_dir / syncer_log_name(config, shard)
         self.files = PrivateDir("ddiloco-syncer-")
         token_file = self.files.write("token", config.token + "\n")
         tls_files = (
@@ -94,11 +108,9 @@ class SyncerActor:
         self.ca_file = self.files.write("ca.crt", config.tls_ca) if config.tls_ca is not None else None
         deadline = time.monotonic() + config.ready_s_max
         while True:
-            self.resumed = _resume_from(
-                config.checkpoint_dir
-            )  # decided per try: a predecessor may just have written one
-            argv = ddiloco_command("syncer", syncer_argv(config, token_file, self.resumed, tls_files))
-            self.child = Supervised(argv, config.log_dir / "syncer.log")
+            self.resumed = _resume_from(checkpoint_dir)  # decided per try: a predecessor may just have written one
+            argv = ddiloco_command("syncer", syncer_argv(config, token_file, self.resumed, tls_files, shard))
+            self.child = Supervised(argv, log_path)
             self.child.start()
             try:
                 self.child.wait_for_line(_LISTENING, max(1.0, deadline - time.monotonic()))
@@ -115,10 +127,16 @@ class SyncerActor:
         self.child.on_exit = lambda code: _fail_actor("the syncer", code)
         if self.child.returncode is not None:  # exited between listening and being watched
             _fail_actor("the syncer", self.child.returncode)
-        self.url, self.status_url = syncer_urls(config, ray.util.get_node_ip_address())
+        self.url, self.status_url = syncer_urls(config, ray.util.get_node_ip_address(), shard)
 
     def address(self) -> dict[str, Any]:
-        return {"url": self.url, "status_url": self.status_url, "pid": os.getpid(), "resumed": self.resumed}
+        return {
+            "url": self.url,
+            "status_url": self.status_url,
+            "pid": os.getpid(),
+            "resumed": self.resumed,
+            "shard": self.shard,
+        }
 
     def status(self) -> dict[str, Any]:
         """The syncer's /status document, read on its own node through the URL the learners use."""
@@ -139,7 +157,7 @@ class LearnerActor:
     """`ddiloco learner` number `index` on this node. A learner that has spent its step budget exits 0
     and stays done; any other exit ends the actor, which Ray starts again (the learner rejoins)."""
 
-    def __init__(self, config: LaunchConfig, index: int, syncer_url: str) -> None:
+    def __init__(self, config: LaunchConfig, index: int, syncer_url: str | list[str]) -> None:
         self.files = PrivateDir(f"ddiloco-learner-{index}-")
         token_file = self.files.write("token", config.token + "\n")
         ca_file = self.files.write("ca.crt", config.tls_ca) if config.tls_ca is not None else None
@@ -168,17 +186,35 @@ class LearnerActor:
 
 @dataclass
 class RayLaunch:
-    """A launched job: the actors, where the syncer is, and how to watch and end it."""
+    """A launched job: the actors, where the syncer is, and how to watch and end it. With a sharded
+    syncer, `syncer`, `syncer_url` and `status_url` are shard 0's; the lists hold every shard's."""
 
     config: LaunchConfig
     syncer: Any  # ray.actor.ActorHandle of SyncerActor
     learners: list  # ActorHandles of LearnerActor, by index
     syncer_url: str
     status_url: str
+    syncers: list = field(default_factory=list)  # every shard's SyncerActor handle, by shard
+    syncer_urls: list = field(default_factory=list)
+    status_urls: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.syncers = self.syncers or [self.syncer]
+        self.syncer_urls = self.syncer_urls or [self.syncer_url]
+        self.status_urls = self.status_urls or [self.status_url]
 
     def status(self, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
-        """The syncer's /status (merges, learners and their states, fragment versions)."""
-        return ray.get(self.syncer.status.remote(), timeout=timeout_s)
+        """The syncer's /status (merges, learners and their states, fragment versions); of a
+        sharded syncer, the shards' merged (net.shard_status), a shard that does not answer shown down."""
+        if len(self.syncers) == 1:
+            return ray.get(self.syncer.status.remote(), timeout=timeout_s)
+        readings = []
+        for url, actor in zip(self.status_urls, self.syncers, strict=True):
+            try:
+                readings.append((url, ray.get(actor.status.remote(), timeout=timeout_s), None))
+            except Exception as exc:  # noqa: BLE001 - a shard down (restarting, unreachable) is a row, not a failure
+                readings.append((url, None, f"{type(exc).__name__}: {exc}"))
+        return merge_status(readings)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 1.0) -> list[int]:
         """Block until every learner has spent its step budget (their exit codes, all 0). A learner
@@ -208,13 +244,13 @@ class RayLaunch:
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Learners first (they say goodbye), then the syncer (a last checkpoint), then the actors."""
-        for group in (self.learners, [self.syncer]):
+        for group in (self.learners, self.syncers):
             pending = [actor.stop.remote() for actor in group]
             try:
                 ray.get(pending, timeout=timeout_s)
             except (GetTimeoutError, RayActorError) as exc:
                 log.warning("not every actor stopped cleanly: %s", exc)
-        for actor in [*self.learners, self.syncer]:
+        for actor in [*self.learners, *self.syncers]:
             ray.kill(actor, no_restart=True)
 
 
@@ -225,26 +261,28 @@ def _learner_gpus(config: LaunchConfig) -> float:
 
 
 def launch(config: LaunchConfig) -> RayLaunch:
-    """Start the syncer, wait until it listens, start the learners; returns the job's handle."""
+    """Start the syncer (each of its shards), wait until it listens, start the learners; returns the job's handle."""
     if not ray.is_initialized():
         ray.init()
     # max_task_retries=-1: a call made while an actor restarts waits for the new one, and fails with
     # ActorDiedError only when Ray has given up on it.
-    syncer = (
-        ray.remote(SyncerActor)
-        .options(
-            num_cpus=config.syncer_cpus,
-            resources=dict(config.syncer_resources),
-            max_restarts=config.syncer_max_restarts,
-            max_task_retries=-1,
-        )
-        .remote(config)
+    syncer_cls = ray.remote(SyncerActor).options(
+        num_cpus=config.syncer_cpus,
+        resources=dict(config.syncer_resources),
+        max_restarts=config.syncer_max_restarts,
+        max_task_retries=-1,
     )
-    try:
-        where = ray.get(syncer.address.remote(), timeout=config.ready_s_max + 60)
-    except (GetTimeoutError, RayActorError) as exc:
-        ray.kill(syncer, no_restart=True)
-        raise LaunchError(f"the syncer did not come up: {exc}; see {config.log_dir / 'syncer.log'}") from exc
+    syncers = [syncer_cls.remote(config, shard) for shard in range(config.shards)]
+    wheres = []
+    for shard, syncer in enumerate(syncers):
+        try:
+            wheres.append(ray.get(syncer.address.remote(), timeout=config.ready_s_max + 60))
+        except (GetTimeoutError, RayActorError) as exc:
+            for actor in syncers:
+                ray.kill(actor, no_restart=True)
+            log_path = config.log_dir / syncer_log_name(config, shard)
+            raise LaunchError(f"the syncer did not come up: {exc}; see {log_path}") from exc
+    urls = [w["url"] for w in wheres]
     gpus = _learner_gpus(config)
     learner_cls = ray.remote(LearnerActor).options(
         num_cpus=config.learner_cpus,
@@ -254,12 +292,21 @@ def launch(config: LaunchConfig) -> RayLaunch:
         max_task_retries=-1,
         scheduling_strategy="SPREAD",
     )
-    learners = [learner_cls.remote(config, i, where["url"]) for i in range(config.learners)]
+    learners = [learner_cls.remote(config, i, urls) for i in range(config.learners)]
     log.info(
         "launched: syncer at %s (%s), %d learners (%s GPU each)",
-        where["url"],
-        "resumed" if where["resumed"] else "fresh",
+        ",".join(urls),
+        ", ".join("resumed" if w["resumed"] else "fresh" for w in wheres),
         config.learners,
         gpus,
     )
-    return RayLaunch(config, syncer, learners, where["url"], where["status_url"])
+    return RayLaunch(
+        config,
+        syncers[0],
+        learners,
+        urls[0],
+        wheres[0]["status_url"],
+        syncers,
+        urls,
+        [w["status_url"] for w in wheres],
+    )

@@ -53,11 +53,10 @@ from jax.tree_util import tree_flatten, tree_unflatten
 from ddiloco.core import codec
 from ddiloco.core.layout import Layout, layout_from_description
 from ddiloco.errors import FaultError, UserError
-from ddiloco.learner.sync import DilocoSync, SyncConfig
+from ddiloco.learner.sync import DilocoSync, SyncConfig, syncer_transport
 from ddiloco.learner.transport import Taken, Transport
 from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
 from ddiloco.net import session
-from ddiloco.net.client import ClientConfig, ThreadedClient
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
@@ -365,18 +364,9 @@ class MultiProcessSync:
             layout.num_fragments,
         )
 
-    def _client(self, params: Any) -> ThreadedClient:
-        config = self.config
-        return ThreadedClient(
-            ClientConfig(
-                url=config.url,
-                name=config.name,
-                tensors=tensor_specs(params, self.is_embedding),
-                token=config.token,
-                ca_file=config.ca_file,
-                progress_interval_s=config.progress_interval_s,
-            )
-        )
+    def _client(self, params: Any) -> Transport:
+        """The leader's link to the syncer (or to each of its shards), as the hook's own would be."""
+        return syncer_transport(self.config, tensor_specs(params, self.is_embedding))
 
     @property
     def layout(self) -> Layout:
@@ -430,7 +420,10 @@ class MultiProcessSync:
         gather = set()
         if not rejoin:  # a new session starts no push at its first step (DilocoSync.step)
             gather |= set(self.sync.due_next)
-        waiting = () if rejoin else self.sync.updates_waiting  # held back a call (DilocoSync.step)
+        # Held back a call (DilocoSync.step); a new welcome voids those of the fragments it speaks
+        # for (every fragment, or one shard's of a sharded syncer).
+        voided = set(welcome.owned) if rejoin and welcome is not None else set()
+        waiting = tuple(q for q in self.sync.updates_waiting if q not in voided)
         if self.config.alpha or self.config.keep_progress:  # mixing and keeping progress read the current values
             gather |= set(updates) | set(waiting)
         flags = (HEADER_FLAG_UPDATES if updates or waiting else 0) | (HEADER_FLAG_GATHER_ALL if gather_all else 0)

@@ -27,16 +27,16 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Self
 
 import numpy as np
 
-from ddiloco.core import codec
+from ddiloco.core import codec, shards
 from ddiloco.core import publish as publishing
 from ddiloco.core.events import Push
-from ddiloco.core.layout import Layout, layout_from_description
+from ddiloco.core.layout import Layout, TensorSpec, layout_from_description
 from ddiloco.errors import UserError
 from ddiloco.learner import recovery
 from ddiloco.learner.tape import LearnerTapeWriter
@@ -45,8 +45,18 @@ from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_spe
 from ddiloco.net import peer, session
 from ddiloco.net.client import ClientConfig, ThreadedClient
 from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
+from ddiloco.net.sharded import ShardedClient, split_urls
 
-__all__ = ["DilocoSync", "FragmentSync", "NotJoinedError", "RecoverFn", "SyncConfig", "check_alpha", "due_fragments"]
+__all__ = [
+    "DilocoSync",
+    "FragmentSync",
+    "NotJoinedError",
+    "RecoverFn",
+    "SyncConfig",
+    "check_alpha",
+    "due_fragments",
+    "syncer_transport",
+]
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -66,7 +76,10 @@ class NotJoinedError(UserError, RuntimeError):
 
 @dataclass(frozen=True)
 class SyncConfig:
-    url: str
+    # The syncer's websocket URL; for a syncer split into shards (core.shards), every shard's URL,
+    # in any order: separated by commas, or a tuple. Kept as one comma-separated string; `urls`
+    # holds them apart.
+    url: str | tuple[str, ...]
     name: str
     token: str | None = None
     ca_file: Path | None = None  # wss://: the CA certificate(s) the syncer's certificate must chain to (net.tls)
@@ -88,8 +101,12 @@ class SyncConfig:
     # Codec kernels on the training thread only, never numba's thread pool (each call passes
     # parallel=False): the cores are the training step's.
     serial_kernels: bool = True
+    urls: tuple[str, ...] = field(init=False)  # from `url`, one per shard
 
     def __post_init__(self) -> None:
+        urls = split_urls(self.url)
+        object.__setattr__(self, "urls", urls)
+        object.__setattr__(self, "url", ",".join(urls))
         codec.parse_codec(self.codec)
         if self.recover_timeout_s <= 0 or self.snapshot_bytes_max <= 0:
             raise ValueError("recover_timeout_s and snapshot_bytes_max must be positive")
@@ -200,6 +217,7 @@ class DilocoSync:
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
         self._period = 1
+        self._shard_of: tuple[tuple[int, ...], ...] = ()  # fragment -> the fragments of its shard (core.shards)
         self._due: dict[int, tuple[int, ...]] = {}  # the welcome's schedule, by phase (`due_fragments`)
         self._in_flight: list[_InFlight] = []  # pushes whose host copies started, sent at the next call
         # Arrived versions of fragments whose push is in flight or went out in this call, with the
@@ -244,6 +262,12 @@ class DilocoSync:
         try:
             client = self.client if self.client is not None else self._start_client()
             welcome = client.wait_welcome(self.config.welcome_timeout_s)
+            if welcome.shards > 1 and welcome.init_shards is None:
+                # One shard's welcome, not every shard's: the other fragments would never arrive.
+                raise UserError(
+                    f"the syncer at {self.config.url} is shard {welcome.shard} of {welcome.shards}: "
+                    "give the learner every shard's URL, separated by commas"
+                )
         except BaseException:
             self.close()
             raise
@@ -253,32 +277,24 @@ class DilocoSync:
         self._layout = layout_from_description(welcome.layout)
         self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
+        num = self._layout.num_fragments
+        self._shard_of = tuple(shards.owned(shards.owner(q, welcome.shards), welcome.shards, num) for q in range(num))
         self._schedule(welcome)
         self.step_count = welcome.global_step
         self.recovered_from = "init" if welcome.needs_init else "syncer"
         if welcome.needs_init:
-            self._send_init(self._initial)
+            self._send_init(self._initial, welcome.init_fragments)
         self._initial = None  # not kept alive for the run: the syncer holds the state from now on
         return welcome
 
-    def _start_client(self) -> ThreadedClient:
+    def _start_client(self) -> Transport:
         config = self.config
         if config.peer is not None:
             assert isinstance(self.snapshots, SnapshotBox)  # checked in the constructor
             self.peer_server = PeerServer(self.snapshots, replace(config.peer, token=config.peer.token or config.token))
         tensors = tensor_specs(self._initial, self.is_embedding)
         peer_url = self.peer_server.url if self.peer_server else ""
-        self.client = ThreadedClient(
-            ClientConfig(
-                url=config.url,
-                name=config.name,
-                tensors=tensors,
-                token=config.token,
-                ca_file=config.ca_file,
-                peer_url=peer_url,
-                progress_interval_s=config.progress_interval_s,
-            )
-        )
+        self.client = syncer_transport(config, tensors, peer_url)
         return self.client
 
     def _joined(self) -> tuple[Transport, TreeFragments, Layout]:
@@ -301,7 +317,8 @@ class DilocoSync:
 
     @property
     def learner_id(self) -> int:
-        """This learner's id in its current session (a rejoin gets a new one)."""
+        """This learner's id in its current session (a rejoin gets a new one; with a sharded
+        syncer, the id shard 0 gave it)."""
         if self._learner_id is None:
             raise NotJoinedError("no learner id yet: call join() first")
         return self._learner_id
@@ -319,12 +336,12 @@ class DilocoSync:
     def tokens(self) -> list[int]:
         return [f.tokens for f in self.fragments]
 
-    def _send_init(self, params: Any) -> None:
-        """The syncer holds no parameters and asked this learner for them (only then do a learner's
-        own weights become global state)."""
+    def _send_init(self, params: Any, asked: tuple[int, ...]) -> None:
+        """The syncer (or the shards owning `asked`) holds no parameters and asked this learner for
+        them (only then do a learner's own weights become global state)."""
         client, tree, _ = self._joined()
         fragments = list(self.fragments)
-        for q in range(len(fragments)):
+        for q in asked:
             values = tree.gather(params, q)
             payload = _encode_init(values, self.parallel_kernels)
             if self.tape is not None:
@@ -332,18 +349,29 @@ class DilocoSync:
             client.init(q, payload)
             fragments[q] = FragmentSync().received(0, values, values)  # the syncer publishes version 0 as sent
         self.fragments = tuple(fragments)
-        log.info("learner %d sent the initial parameters (version 0)", self.learner_id)
+        log.info("learner %d sent the initial parameters (version 0) of fragments %s", self.learner_id, list(asked))
 
     def _rejoin(self, params: Any, welcome: session.WelcomeInfo) -> None:
         """A new welcome: the client reconnected (a new learner id; the syncer resends every
         fragment and the learner has weight 0 until it holds them), or the learner asked for the
-        initial parameters died and this one is asked instead."""
-        self._learner_id = welcome.learner
-        self.fragments = (FragmentSync(),) * len(self.fragments)
-        self._in_flight, self._deferred, self._last_push = [], {}, {}  # of the old session
+        initial parameters died and this one is asked instead.
+
+        With a sharded syncer the welcome is one shard's (it restarted, or its connection was made
+        again): only the fragments it owns start again; the others' versions, pushes and the
+        learner id (shard 0's) stay as they are, and go on merging meanwhile."""
+        if welcome.shards == 1 or welcome.shard == 0:
+            self._learner_id = welcome.learner
+        reset = set(welcome.owned)
+        self.fragments = tuple(FragmentSync() if q in reset else f for q, f in enumerate(self.fragments))
+        # What was under way for those fragments belongs to the old session.
+        self._in_flight = [f for f in self._in_flight if f.fragment not in reset]
+        self._deferred = {q: d for q, d in self._deferred.items() if q not in reset}
+        self._last_push = {q: o for q, o in self._last_push.items() if q not in reset}
         self._schedule(welcome)
         if welcome.needs_init:
-            self._send_init(params)
+            self._send_init(params, welcome.init_fragments)
+        elif welcome.shards > 1:
+            log.info("rejoined syncer shard %d of %d (fragments %s)", welcome.shard, welcome.shards, sorted(reset))
         else:
             log.info("rejoined the syncer as learner %d", self._learner_id)
 
@@ -427,9 +455,15 @@ class DilocoSync:
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
-        if not self.fragments or any(f.version < 0 for f in self.fragments):
+        if not self.fragments:
             return ()
-        return self._due.get((self.step_count + 1) % self._period, ())
+        return tuple(q for q in self._due.get((self.step_count + 1) % self._period, ()) if self._holds_shard_of(q))
+
+    def _holds_shard_of(self, q: int) -> bool:
+        """Whether this learner holds a version of every fragment of fragment q's shard (with one
+        syncer: of every fragment). Until then it has weight 0 there: it neither pushes nor reports
+        to it. The other shards are not held up by one whose fragments are on their way."""
+        return all(self.fragments[p].version >= 0 for p in self._shard_of[q])
 
     @property
     def pushes_in_flight(self) -> tuple[int, ...]:
@@ -476,9 +510,10 @@ class DilocoSync:
             self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
-        if all(f.version >= 0 for f in self.fragments):
+        if any(self._holds_shard_of(q) for q in range(len(self.fragments))):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
-            # every fragment yet has weight 0 and reports once it does (which makes it live).
+            # every fragment yet has weight 0 and reports once it does (which makes it live). To a
+            # sharded syncer, the report goes to each shard whose fragments it holds (net.sharded).
             client.progress(
                 session.ProgressInfo(
                     self.step_count,
@@ -693,3 +728,20 @@ def _encode_delta(
     return codec.encode_with_feedback(
         delta, feedback or codec.feedback_init(delta.size), config.codec, block, parallel=parallel
     )
+
+
+def syncer_transport(config: SyncConfig, tensors: tuple[TensorSpec, ...], peer_url: str = "") -> Transport:
+    """A client to the syncer of `config.urls`: one websocket, or one per shard (net.sharded)."""
+    configs = [
+        ClientConfig(
+            url=url,
+            name=config.name,
+            tensors=tensors,
+            token=config.token,
+            ca_file=config.ca_file,
+            peer_url=peer_url,
+            progress_interval_s=config.progress_interval_s,
+        )
+        for url in config.urls
+    ]
+    return ThreadedClient(configs[0]) if len(configs) == 1 else ShardedClient(configs)

@@ -82,6 +82,9 @@ def _welcome(d: dict) -> session.WelcomeInfo:
         peers,
         d.get("period", 1),
         tuple(d.get("offsets", ())),
+        d.get("shard", 0),
+        d.get("shards", 1),
+        None if d.get("init_shards") is None else tuple(d["init_shards"]),
     )
 
 

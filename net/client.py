@@ -530,6 +530,16 @@ class ThreadedClient:
         self._welcome = welcome
         return welcome
 
+    @property
+    def welcomes_seen(self) -> int:
+        """The welcomes handed to the caller so far (by `wait_welcome` and `take`)."""
+        return self._welcomes_seen
+
+    @property
+    def connected(self) -> bool:
+        """Whether the websocket is up now (read across threads: a hint, for what to skip sending)."""
+        return self._client.connected.is_set()
+
     async def _welcome_now(self) -> tuple[int, session.WelcomeInfo | None]:
         return self._client.inbox.welcomes, self._client.inbox.welcome
 

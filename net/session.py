@@ -78,6 +78,10 @@ class WelcomeInfo:
     offsets: tuple[int, ...] = ()
     shard: int = 0  # a sharded syncer (core.shards): this syncer is shard `shard` of `shards`
     shards: int = 1
+    # Set only on the welcome a learner's link to every shard makes of theirs (net.sharded): it
+    # speaks for the whole syncer, and these are the shards that ask for the initial parameters
+    # (needs_init: some shard does). None: the welcome of one syncer, or of one shard.
+    init_shards: tuple[int, ...] | None = None
 
     def opens_round(self, step: int) -> bool:
         """Whether some fragment's round opens when the syncer's global step reaches `step`."""
@@ -85,8 +89,20 @@ class WelcomeInfo:
 
     @property
     def owned(self) -> tuple[int, ...]:
-        """The fragments this syncer owns (every fragment unless it is one shard of several)."""
+        """The fragments this welcome speaks for: those its syncer owns (every fragment unless it is
+        one shard of several), or every fragment for a welcome merged over all shards."""
+        if self.init_shards is not None:
+            return tuple(range(len(self.versions)))
         return shards.owned(self.shard, self.shards, len(self.versions))
+
+    @property
+    def init_fragments(self) -> tuple[int, ...]:
+        """The fragments whose initial parameters this learner is asked for, in order."""
+        if not self.needs_init:
+            return ()
+        if self.init_shards is None:
+            return self.owned
+        return tuple(q for q in range(len(self.versions)) if shards.owner(q, self.shards) in self.init_shards)
 
 
 @dataclass(frozen=True)

@@ -240,3 +240,13 @@ def test_a_learner_on_devices_cpu_trains_and_says_so(tmp_path, start_syncer, jax
     finally:
         syncer.send_signal(signal.SIGTERM)
         syncer.wait(60)
+
+
+def test_a_list_of_shard_urls_with_a_hole_is_refused_at_once():
+    got = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", "ws://127.0.0.1:1/ws,,ws://127.0.0.1:2/ws"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 2 and "an empty syncer URL" in got.stderr, got.stderr

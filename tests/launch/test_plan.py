@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.launch.plan import LaunchConfig, learner_argv, syncer_argv, syncer_urls
+from ddiloco.launch.plan import (
+    LaunchConfig,
+    learner_argv,
+    shard_checkpoint_dir,
+    syncer_argv,
+    syncer_log_name,
+    syncer_urls,
+)
 
 TOKEN = "9f2c4e1ab7d05f3e8c6a1b9d2e7f4a03"
 
@@ -74,6 +81,10 @@ def test_learners_dial_the_node_where_the_syncer_listens_on_every_interface(chan
     "changes, message",
     [
         ({"learners": 0}, "learners must lie in"),
+        ({"shards": 0}, r"shards must lie in \[1, 64\]"),
+        ({"shards": 65}, r"shards must lie in \[1, 64\]"),
+        ({"shards": 4, "port": 65533}, r"port must lie in \[1, 65532\].*shard i on port \+ i"),
+        ({"syncer_args": ("--shards", "2")}, "syncer_args: --shards is set by the launcher itself"),
         ({"port": 0}, "a restarted syncer comes back on it"),
         ({"token": "short"}, "the launch token: "),
         ({"tls_cert": b"c"}, "tls_cert and tls_key go together"),
@@ -95,3 +106,34 @@ def test_bad_settings_are_refused_saying_what_is_wrong(changes, message):
 def test_arguments_given_as_one_string_are_refused():
     with pytest.raises(TypeError, match="learner_args is a sequence of arguments"):
         config(learner_args="--steps 5")
+
+
+def test_a_sharded_syncer_is_one_command_per_shard_each_with_its_port_and_checkpoints():
+    c = config(shards=3, port=9000, syncer_args=("--fragments", "6"))
+    argvs = [syncer_argv(c, Path("/p/token"), resume=i == 1, shard=i) for i in range(3)]
+    for i, argv in enumerate(argvs):
+        assert argv[argv.index("--port") + 1] == str(9000 + i)
+        assert argv[argv.index("--shard") + 1 : argv.index("--shard") + 4] == [str(i), "--shards", "3"]
+        assert argv[-2:] == ["--fragments", "6"]
+    assert argvs[0][6:8] == ["--checkpoint-dir", "/ck/shard-0"] and argvs[1][6:8] == ["--resume", "/ck/shard-1"]
+    assert [shard_checkpoint_dir(c, i) for i in range(3)] == [
+        Path("/ck/shard-0"),
+        Path("/ck/shard-1"),
+        Path("/ck/shard-2"),
+    ]
+    assert [syncer_log_name(c, i) for i in range(3)] == ["syncer-0.log", "syncer-1.log", "syncer-2.log"]
+    urls = [syncer_urls(c, "10.0.0.7", i) for i in range(3)]
+    assert urls[2] == ("ws://10.0.0.7:9002/ws", "http://10.0.0.7:9002")
+    with pytest.raises(ValueError, match=r"syncer shard must lie in \[0, 3\)"):
+        syncer_argv(c, Path("/p/token"), resume=False, shard=3)
+
+
+def test_every_learner_dials_every_shard_and_an_unsharded_syncer_is_as_before():
+    c = config(shards=2)
+    argv = learner_argv(c, 0, ["ws://h:1/ws", "ws://h:2/ws"], Path("/p/token"))
+    assert argv[:2] == ["--syncer", "ws://h:1/ws,ws://h:2/ws"]
+    with pytest.raises(ValueError, match="needs the URL of each of the 2 syncer shard"):
+        learner_argv(c, 0, "ws://h:1/ws", Path("/p/token"))
+    one = config()
+    assert "--shard" not in syncer_argv(one, Path("/t"), resume=False)
+    assert shard_checkpoint_dir(one) == Path("/ck") and syncer_log_name(one) == "syncer.log"

@@ -20,7 +20,7 @@ class ThreadedSyncer:
     def __init__(self, config: SyncerConfig | syncer.SyncerState, token: str = TOKEN, **server_fields):
         self.loop = asyncio.new_event_loop()
         state = config if isinstance(config, syncer.SyncerState) else syncer.new_state(config)
-        self.server = SyncerServer(state, ServerConfig(port=0, auth_token=token, **server_fields))
+        self.server = SyncerServer(state, ServerConfig(**{"port": 0, "auth_token": token, **server_fields}))
         self._stopped = False
         ready = threading.Event()
 

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddiloco.core import syncer
+from ddiloco.core.config import SyncerConfig
 from ddiloco.core.layout import build_layout
 from ddiloco.errors import UserError
 from ddiloco.learner import multihost
@@ -185,6 +187,33 @@ def test_one_process_learner_sets_exactly_the_fragments_the_hook_received(thread
         assert quiet > 0, "no step returned the parameters untouched"
         assert syncer.read(lambda state: state.merges) > 0
         assert params["head"].dtype == jnp.bfloat16
+    finally:
+        sync.close()
+
+
+def test_the_leader_reaches_every_shard_of_a_sharded_syncer(threaded_syncer):
+    """With several syncer URLs the leader's link is one client per shard: both shards merge, and
+    the fragments each sends are set on the learner's parameters."""
+    made = []
+    for shard in (0, 1):
+        config = SyncerConfig(num_fragments=2, period=2, quorum=1, shard=shard, shards=2)
+        start = model(0)
+        layout = build_layout(tensor_specs(start), 2, config.strategy, config.block)
+        tree = TreeFragments(start, layout)
+        made.append(threaded_syncer(syncer.new_state(config, layout, [tree.gather(start, q).copy() for q in range(2)])))
+    params = model(1)
+    config = SyncConfig(url=tuple(s.url for s in made), name="mp", token=TOKEN, progress_interval_s=0)
+    sync = MultiProcessSync(params, config)
+    update = jax.jit(lambda ps: jax.tree.map(lambda x: (x * 0.99).astype(x.dtype), ps))
+    try:
+        assert sync.sync.welcome.shards == 2
+        deadline = time.monotonic() + 120
+        # Shard i owns fragment i: each merges its own.
+        while min(s.read(lambda state, i=i: state.fragments[i].version) for i, s in enumerate(made)) < 1:
+            assert time.monotonic() < deadline, f"no merge on both shards: {sync.sync.versions}"
+            time.sleep(0.01)
+            params = sync.step(update(params), tokens=8)
+        assert sync.fragments_applied >= 2
     finally:
         sync.close()
 

@@ -10,6 +10,7 @@ from ddiloco.experiments.inprocess import InProcessTransport
 from ddiloco.learner.transport import SnapshotOutbox, Transport
 from ddiloco.net.client import ThreadedClient
 from ddiloco.net.peer import SnapshotBox
+from ddiloco.net.sharded import ShardedClient
 
 PROTOCOL_METHODS = ["close", "init", "local_state", "progress", "push", "take", "take_markers", "wait_welcome"]
 
@@ -24,7 +25,9 @@ def test_the_protocol_declares_what_the_hook_calls():
     assert declared == PROTOCOL_METHODS
 
 
-@pytest.mark.parametrize("cls", [ThreadedClient, InProcessTransport, _Transport], ids=lambda c: c.__qualname__)
+@pytest.mark.parametrize(
+    "cls", [ThreadedClient, ShardedClient, InProcessTransport, _Transport], ids=lambda c: c.__qualname__
+)
 def test_each_transport_has_every_method_with_the_protocols_parameters(cls):
     for name in PROTOCOL_METHODS:
         impl = getattr(cls, name, None)
