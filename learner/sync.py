@@ -74,6 +74,19 @@ class NotJoinedError(UserError, RuntimeError):
     """What the syncer's welcome decides (the learner id, the layout) was asked before `join`."""
 
 
+# The default of `SyncConfig.push_skips_max`: the most due steps of a fragment skipped while this
+# learner's last push of it, from the version it still holds, awaits its merged version (the
+# hold-back). A push made before that version arrives is stale by construction: the syncer merges it
+# onto a version that already holds the previous push, and with outer momentum the stale pushes of
+# one learner compound (a single learner stepping in 1 ms under the default Nesterov 0.9 diverged).
+# Past this many skipped due steps, on a rejoin and after any error from the syncer the learner
+# pushes again: the increment since its last push, so nothing is counted twice (docs/protocol.md,
+# "A push is an increment"). Generous: a learner stepping in 1 ms with 4 fragments due every 4 steps
+# meets its due steps faster than a loaded syncer's round trip.
+PUSH_SKIPS_MAX = 16
+PUSH_SKIPS_LIMIT = 1_000_000  # beyond, a push lost in transit would stall a fragment for good
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     # The syncer's websocket URL; for a syncer split into shards (core.shards), every shard's URL,
@@ -88,6 +101,10 @@ class SyncConfig:
     # With alpha 0, keep what this learner trained since its last push over an arriving version
     # (ours; docs/algorithm.md "Progress carried over a merge"); False: overwrite, as the paper.
     keep_progress: bool = True
+    # The hold-back (PUSH_SKIPS_MAX): due steps skipped while the last push of a fragment awaits its
+    # version; 0 pushes at every due step (safe for progress, each push an increment, but stale under
+    # outer momentum).
+    push_skips_max: int = PUSH_SKIPS_MAX
     # Error feedback (ours, core.codec): what compression lost from an outer gradient is added to the
     # next one of the same fragment; reset when the learner rejoins.
     error_feedback: bool = False
@@ -113,6 +130,8 @@ class SyncConfig:
         if self.welcome_timeout_s <= 0:
             raise ValueError(f"welcome_timeout_s must be positive, got {self.welcome_timeout_s}")
         check_alpha(self.alpha)
+        if not 0 <= self.push_skips_max <= PUSH_SKIPS_LIMIT:
+            raise ValueError(f"push_skips_max must lie in [0, {PUSH_SKIPS_LIMIT}], got {self.push_skips_max}")
         if self.error_feedback and codec.parse_codec(self.codec) is codec.Codec.FP32:
             raise ValueError("error feedback needs a lossy codec (fp32 loses nothing)")
 
@@ -154,11 +173,13 @@ def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int,
 
 
 class _LastPush(NamedTuple):
-    """This learner's last push of a fragment: its base version and what it pushed: the host copy of
-    the parameters and the counters then. The next push from the same base is the increment over it
-    (theta - the parameters then), so no progress is pushed twice."""
+    """This learner's last push of a fragment: its base version, the due steps skipped since
+    (PUSH_SKIPS_MAX), and what it pushed: the host copy of the parameters and the counters then. The
+    next push from the same base is the increment over it (theta - the parameters then), so no
+    progress is pushed twice."""
 
     base: int
+    skips: int
     theta: np.ndarray
     steps: int
     tokens: int
@@ -228,6 +249,7 @@ class DilocoSync:
         self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
         # fragment -> this learner's last push of it; void once a newer version is held
         self._last_push: dict[int, _LastPush] = {}
+        self.pushes_held = 0  # due steps skipped behind a push not merged back yet; their tokens go with the next push
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -455,9 +477,28 @@ class DilocoSync:
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
+        return tuple(q for q in self._scheduled_next() if not self._waits_on_push(q))
+
+    def _scheduled_next(self) -> tuple[int, ...]:
+        """The fragments the schedule makes due at the next call's step, of those whose syncer (or
+        shard) is served: none while one of its fragments' versions is missing (`_holds_shard_of`)."""
         if not self.fragments:
             return ()
         return tuple(q for q in self._due.get((self.step_count + 1) % self._period, ()) if self._holds_shard_of(q))
+
+    def _waits_on_push(self, q: int) -> bool:
+        """Whether fragment q's due steps are skipped now: this learner's last push of q, from the
+        version it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
+        last = self._last_push.get(q)
+        return last is not None and last.base == self.fragments[q].version and last.skips < self.config.push_skips_max
+
+    def _held_back(self, due: tuple[int, ...]) -> tuple[int, ...]:
+        """Of the fragments the schedule makes due, those skipped (counted against PUSH_SKIPS_MAX)."""
+        held = tuple(q for q in due if self._waits_on_push(q))
+        for q in held:
+            self._last_push[q] = self._last_push[q]._replace(skips=self._last_push[q].skips + 1)
+        self.pushes_held += len(held)
+        return held
 
     def _holds_shard_of(self, q: int) -> bool:
         """Whether this learner holds a version of every fragment of fragment q's shard (with one
@@ -487,7 +528,7 @@ class DilocoSync:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
         client, _, layout = self._joined()
-        scheduled = self.due_next
+        scheduled = self._scheduled_next()
         self.step_count += 1
         self.calls += 1
         self.fragments = tuple(f.counted(tokens) for f in self.fragments)
@@ -501,12 +542,17 @@ class DilocoSync:
             scheduled = ()  # the schedule was of the old session
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
+        if errors:  # a refused push comes back as no version: the next due step pushes (its increment)
+            self._last_push = {
+                q: last._replace(skips=self.config.push_skips_max) for q, last in self._last_push.items()
+            }
         # Pushes started at an earlier call first: against the versions held then (a push of base v
         # that arrives after version v+1 was merged still counts, discounted: it is not overwritten).
         sent = self._send_in_flight() if self._in_flight else ()
         # Due fragments are copied before arrived versions overwrite them: the push keeps the
         # progress made since the version held.
-        for q in scheduled:
+        held = self._held_back(scheduled)
+        for q in (q for q in scheduled if q not in held):
             self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
@@ -649,7 +695,7 @@ class DilocoSync:
             self.tape.push(self.calls, push)
         if client.push(push) is not False:  # a transport that returns nothing sent it
             self._set(q, self.fragments[q]._replace(feedback=feedback))
-            self._last_push[q] = _LastPush(frag.version, theta, frag.steps, frag.tokens)
+            self._last_push[q] = _LastPush(frag.version, 0, theta, frag.steps, frag.tokens)
         elif self.tape is not None:  # not sent: the next push starts from where this one did
             self.tape.dropped(self.calls, q)
 

@@ -333,7 +333,9 @@ def test_every_step_of_progress_is_merged_once_however_often_the_learner_pushes(
         push_codecs=("fp32",),
     )
     params, target = model32(1), model32(10)
-    sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, codec="fp32"))
+    # Without the hold-back (push_skips_max 0) it pushes at every due step.
+    config = SyncConfig(url=s.url, name="a", token=TOKEN, codec="fp32", push_skips_max=0)
+    sync = DilocoSync.connect(params, config)
     tree = sync.tree
     start = [tree.gather(params, q).copy() for q in range(2)]
     trained = [np.zeros_like(x) for x in start]  # the sum of every step's change, per fragment
