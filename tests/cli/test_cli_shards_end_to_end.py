@@ -145,6 +145,15 @@ def learner(i: int, urls: str, token: Path, cache_dir: Path) -> subprocess.Popen
     )
 
 
+def first_rounds(log: list[str]) -> dict[int, int] | None:
+    """fragment -> the first round decided in restarted shard 1's `log`, once both its fragments have one."""
+    first: dict[int, int] = {}
+    for line in list(log):
+        if m := ROUND.search(line):
+            first.setdefault(int(m[1]), int(m[2]))
+    return first if set(first) == {1, 3} else None
+
+
 def live(doc: dict) -> list[str]:
     """The names of the learners live on the shard whose /status document `doc` is."""
     return sorted(lr["name"] for lr in doc["learners"] if lr["status"] == "live")
@@ -244,18 +253,10 @@ def test_two_shards_two_learners_a_shard_killed_and_resumed_and_status_over_both
         )
         assert (back["shard"], back["shards"], back["owned"]) == (1, 2, [1, 3])
         # Not a fresh start that merged its way past those numbers: the restarted shard's first round
-        # of each fragment is numbered past the checkpoint's version (a fresh one opens round 1),
-        # and it asked no learner for initial parameters (each fragment's were sent once, at the
-        # start, to its owner).
-        first_round = {}
-        for line in logs[2]:
-            if m := ROUND.search(line):
-                first_round.setdefault(int(m[1]), int(m[2]))
+        # of each fragment is numbered past the checkpoint's version (a fresh one opens round 1).
+        # (Its log is read on a thread: the lines of those merges may still be on their way.)
+        first_round = wait_for(lambda: first_rounds(logs[2]), "the restarted shard's rounds of fragments 1 and 3")
         assert all(first_round[q] > v for q, v in held.items()), (first_round, held)
-        sent = [
-            int(q) for log in learner_logs for line in log if (m := SENT_INIT.search(line)) for q in m[1].split(",")
-        ]
-        assert sorted(sent) == list(range(FRAGMENTS)), sent
 
         # `ddiloco status` over both once both are up: every fragment from its owner, read between
         # two readings of each shard's own /status.
@@ -302,6 +303,12 @@ def test_two_shards_two_learners_a_shard_killed_and_resumed_and_status_over_both
             summary = json.loads(proc.stdout.read().strip().splitlines()[-1])  # its only output
             assert summary["applied"] > 0 and summary["steps"] > 0, summary
             assert any("rejoined syncer shard 1 of 2" in line for line in learner_logs[i]), learner_logs[i][-20:]
+        # Nor did the restarted shard ask for initial parameters: each fragment's were sent once, at
+        # the start, to its owner, by whichever learner that shard asked.
+        sent = [
+            int(q) for log in learner_logs for line in log if (m := SENT_INIT.search(line)) for q in m[1].split(",")
+        ]
+        assert sorted(sent) == list(range(FRAGMENTS)), sent
         for proc in syncers:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0
