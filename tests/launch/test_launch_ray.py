@@ -4,6 +4,7 @@ learners as actors, merges through the real daemon, and Ray bringing back a kill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p ... p + n - 1 all free on 127.0.0.1 (a sharded syncer listens on port + i)."""
+    for _ in range(100):
+        first = _free_port()
+        if first + n > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for i in range(1, n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", first + i))
+            except OSError:
+                continue
+        return first
+    raise AssertionError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
 def until(predicate, timeout_s, what):
@@ -183,3 +201,48 @@ def test_the_launch_ray_command_runs_a_job_to_its_end_and_stops_it_cleanly(tmp_p
     assert store.newest_valid(tmp_path / "ck")[0].merges > 0
     learner = json.loads((tmp_path / "logs" / "learner-0.log").read_text().strip().splitlines()[-1])
     assert learner["last_step"] >= 12  # its summary: it spent its step budget and exited 0
+
+
+def test_a_ray_launch_of_a_syncer_in_two_shards_runs_to_its_end(tmp_path, local_ray, jax_cache_dir):
+    """`launch(LaunchConfig(shards=2))`: two shard actors on port and port + 1, each with its own
+    checkpoint directory and log; two learners with a small step budget dial both, and each shard
+    merges their pushes of its own fragments until the learners have spent their budget."""
+    steps = 20  # about 10 pushes of each fragment per learner at period 2: merges on both shards
+    port = _free_ports(2)
+    config = LaunchConfig(
+        learners=2,
+        checkpoint_dir=tmp_path / "ck",
+        log_dir=tmp_path / "logs",
+        token=secrets.token_hex(16),
+        host="127.0.0.1",
+        port=port,
+        shards=2,
+        syncer_args=("--fragments", "4", "--period", "2"),
+        learner_args=("--steps", str(steps), "--batch", "4", "--cache-dir", str(jax_cache_dir)),
+        syncer_cpus=0.5,
+        learner_cpus=0.5,  # four actors on a 2-CPU cluster
+    )
+    job = launch(config)
+    try:
+        assert job.syncer_urls == [f"ws://127.0.0.1:{port}/ws", f"ws://127.0.0.1:{port + 1}/ws"]
+        assert [ray.get(s.address.remote())["shard"] for s in job.syncers] == [0, 1]
+        assert job.wait(timeout_s=300) == [0, 0]  # both learners spent their budget and exited 0
+        status = job.status()  # the shards' merged /status, read through their actors
+    finally:
+        job.shutdown()
+    assert (status["shards"], status["shards_down"]) == (2, 0), status["per_shard"]
+    assert all(row["up"] and row["merges"] > 0 for row in status["per_shard"]), status["per_shard"]
+    assert [(f["index"], f["shard"]) for f in status["fragments"]] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert all(f["up"] and f["version"] >= 1 for f in status["fragments"]), status["fragments"]
+    for i in range(2):
+        log = (tmp_path / "logs" / f"syncer-{i}.log").read_text()
+        # each learner joined each shard (under that shard's own learner id), and the shard stopped cleanly
+        for name in ("learner-0", "learner-1"):
+            assert re.search(rf"learner \d+ \({name}\) joined", log), log[-3000:]
+        assert "signal received: writing a last checkpoint" in log
+        state, _ = store.newest_valid(tmp_path / "ck" / f"shard-{i}")  # its own directory, its own fragments
+        assert (state.config.shard, state.config.shards) == (i, 2) and state.merges > 0
+        assert state.owned == (i, i + 2)
+        learner = json.loads((tmp_path / "logs" / f"learner-{i}.log").read_text().strip().splitlines()[-1])
+        assert learner["steps"] == steps and learner["applied"] > 0, learner  # its summary
+    assert config.token not in (tmp_path / "logs" / "syncer-0.log").read_text()
