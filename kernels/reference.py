@@ -30,9 +30,12 @@ def _absmax_scales(xb: np.ndarray, code_max: int) -> np.ndarray:
 
 
 def _ratios(xb: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """x / scale in float64, 0 where the scale is 0."""
+    """x times the float64 reciprocal of the scale, 0 where the scale is 0: the kernels' arithmetic
+    (a multiply, not a division: the two differ by an ulp now and then, which moves a value that
+    sits on a rounding midpoint to the other code)."""
     s = scales.astype(np.float64)[:, None]
-    return np.divide(xb.astype(np.float64), s, out=np.zeros(xb.shape), where=s > 0)
+    inv = np.divide(1.0, s, out=np.zeros(s.shape), where=s > 0)
+    return xb.astype(np.float64) * inv
 
 
 def _pack(fields: np.ndarray, parts: int, bits: int) -> np.ndarray:
