@@ -2,8 +2,8 @@
 
 The syncer runs in this process, on its own event loop; M learner processes (started with spawn)
 connect over loopback websockets and do no training: each pre-encodes one outer gradient per
-fragment and, as fast as the syncer lets it, reports a step, pushes the fragments due at it and
-takes every update. So the figures are the syncer's (and loopback's) own limits.
+fragment and, as fast as the syncer lets it, reports a step, pushes the fragments due at it (one
+push from each version received, as a learner holds back its pushes) and takes every update. So the figures are the syncer's (and loopback's) own limits.
 
 Reported: merges/s, payload GB/s in and out, p50/p99 round latency (round open to merge), the share
 of wall time spent in the core (merge kernels and outer step), and the syncer's peak RSS against the
@@ -110,6 +110,7 @@ def _learner_main(
             codec.parse(codec.encode((rng.standard_normal(n) * 0.01).astype(np.float32), codec_name)) for n in sizes
         ]
         step, pushes = 0, 0
+        pushed_from = [-2] * len(sizes)  # fragment -> the version its last push was made from
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for client in clients:
@@ -122,12 +123,15 @@ def _learner_main(
             progress = session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n)
             for client in clients:
                 client.queue_progress(progress)
-            for p in (q for q, t in enumerate(w.offsets) if step % w.period == t and min(versions) >= 0):
+            due = (q for q, t in enumerate(w.offsets) if step % w.period == t and min(versions) >= 0)
+            # As a learner does (learner.sync, the hold-back): one push from each version it receives.
+            for p in (q for q in due if pushed_from[q] != versions[q]):
                 client = clients[owner(p, len(clients))]
                 learner = client.inbox.welcome.learner  # each shard numbers its learners itself
                 push = Push(learner, p, step, versions[p], 1, 1024, payloads[p])  # its own schedule (protocol 2)
                 if client.queue_push(push):
                     pushes += 1
+                    pushed_from[p] = versions[p]
             await asyncio.sleep(1.0 / step_hz)
         for client, task in zip(clients, tasks, strict=True):
             await client.close()
