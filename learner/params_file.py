@@ -29,7 +29,7 @@ import numpy as np
 from ddiloco.core import checkpoint
 from ddiloco.core.syncer import SyncerState
 from ddiloco.errors import UserError
-from ddiloco.net import store
+from ddiloco.net import files, store
 
 FORMATS = ("safetensors", "npz", "orbax")
 # A value of float32 may go into leaves of these dtypes (the syncer keeps float32 copies of them).
@@ -105,8 +105,10 @@ def write_params(
     if fmt == "orbax":
         _write_orbax(tensors, out)
         return
-    # A file appears under its name complete or not at all.
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    # A file appears under its name complete or not at all, and stays after a power cut: the writer
+    # libraries stream to the daemon's temporary name (net.files), then fsync, rename, fsync the
+    # directory, as net.files.write_atomic does for bytes already in memory.
+    tmp = files.temporary_name(out)
     try:
         if fmt == "safetensors":
             safetensors_numpy = _optional("safetensors.numpy", "safetensors")
@@ -114,7 +116,9 @@ def write_params(
         else:
             with open(tmp, "wb") as fh:
                 np.savez(fh, **tensors)
+        files.fsync_file(tmp)
         os.replace(tmp, out)
+        files.fsync_directory(out.parent)
     except OSError as exc:
         raise ParamsFileError(f"cannot write {out}: {exc.strerror or exc}") from exc
     finally:
