@@ -149,7 +149,6 @@ class SyncerClient:
         self.welcomed = asyncio.Event()
         self.settled = threading.Event()  # welcomed at least once, or refused: for other threads
         self._progress: deque = deque(maxlen=config.progress_queued_max)
-        self._control: deque = deque()
         self._bulk: deque = deque()
         self._wake = asyncio.Event()
         self._closed = asyncio.Event()  # set by close: the client is stopping
@@ -206,8 +205,11 @@ class SyncerClient:
         self._wake.set()
 
     def queue_local_state(self, item: session.LocalStateInfo, welcomes: int | None = None) -> None:
-        """After the pushes already queued (the channel's order is what makes the snapshot
-        consistent), and never refused for a full queue: the snapshot waits for it."""
+        """After the pushes and progress reports already queued (the channel's order is what makes
+        the snapshot consistent: the reports go into the bulk queue ahead of it), and never refused
+        for a full queue: the snapshot waits for it. Reports queued later wait until it is sent."""
+        while self._progress:
+            self._bulk.append(self._progress.popleft())
         self._bulk.append((welcomes, item))
         self._wake.set()
 
@@ -422,26 +424,37 @@ class SyncerClient:
             await ws.close()
             return
         bulk_frames: deque = deque()
+        sending_local_state = False  # bulk_frames hold a local state's frames
         while True:
-            queued = self._progress or self._control or self._bulk or bulk_frames
+            queued = self._progress or self._bulk or bulk_frames
             if self._closing and (not queued or self._drain_left() == 0):
                 break
             if not queued:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._progress:
+            # Progress goes ahead of bulk frames, except past a local state (a consistent snapshot,
+            # net.snapshot): a report of a step after the learner's cut must not reach the syncer
+            # before the state of the cut, or the snapshot would hold a message from after it.
+            barrier = sending_local_state or any(isinstance(i, session.LocalStateInfo) for _, i in self._bulk)
+            if self._progress and not barrier:
                 welcomes, item = self._progress.popleft()
                 if not self._current(welcomes):
                     continue
                 frames = session.progress_frames(item, next(self._ids), self.config.wire, self._tick())
             elif bulk_frames:
                 frames = [bulk_frames.popleft()]
-            else:
+                sending_local_state = sending_local_state and bool(bulk_frames)
+            else:  # a barrier is a local state in the bulk: something is there
                 welcomes, item = self._bulk.popleft()
-                if self._current(welcomes):
+                if not self._current(welcomes):
+                    continue
+                if isinstance(item, session.ProgressInfo):  # a report made before a local state
+                    frames = session.progress_frames(item, next(self._ids), self.config.wire, self._tick())
+                else:
                     bulk_frames.extend(session.bulk_frames(item, next(self._ids), self.config.wire, self._tick()))
-                continue
+                    sending_local_state = isinstance(item, session.LocalStateInfo) and bool(bulk_frames)
+                    continue
             for frame in frames:
                 await self._send(ws, frame)
         for frame in session.bye_frames("stopping", next(self._ids), self.config.wire):
