@@ -239,12 +239,14 @@ class ShardedClient:
             if whole or all(item.versions[q] >= 0 for q in link.welcome.owned):
                 link.client.progress(sent)
 
-    def push(self, item: Push) -> None:
+    def push(self, item: Push) -> bool:
+        """To the fragment's owner; False when not sent (that shard is away, or its queue is full):
+        the hook then pushes that progress with its next push."""
         link = self._by_shard[shards.owner(item.fragment, len(self._links))]
         if not self._current(link) or not link.client.connected:
             self.pushes_unsent += 1
-            return
-        link.client.push(item)
+            return False
+        return link.client.push(item)
 
     def init(self, fragment: int, payload: bytes) -> None:
         link = self._by_shard[shards.owner(fragment, len(self._links))]
