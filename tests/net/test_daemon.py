@@ -875,7 +875,10 @@ async def test_healthz_fails_while_the_core_completes_nothing_and_recovers_after
             await asyncio.sleep(0.05)
         doc = verdicts[-1][1]
         assert doc["status"] == "failing" and "core_stall_s_max 0.2 s" in doc["reasons"][0]
-        assert doc["core"]["running"] and doc["core"]["busy_s"] > 0.2
+        # The stall is the time since an item last completed; the stuck item may have started a
+        # little after that on a loaded machine, so its own busy time may be shorter.
+        core = doc["core"]
+        assert core["running"] and core["busy_s"] is not None and core["since_completed_s"] > 0.2, core
     finally:
         release.set()
         await stuck
