@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.cli.syncer import SETTINGS as SYNCER_SETTINGS
+
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "ddiloco.sbatch"
 
 
@@ -114,6 +116,7 @@ exit "$status"
   nap=""
   trap 'kill "$nap" 2> /dev/null; exit 0' TERM
   port="$(printf '%s\\n' "$@" | sed -n '/^--port$/{n;p;}')"
+  env | sed -n 's/^\\(DDILOCO_[A-Z0-9_]*\\)=.*/\\1/p' > "$DRY_DIR/env-$port"
   touch "$DRY_DIR/up-$port"
   sleep "$DRY_STUB_SLEEP_S" & nap=$!
   wait "$nap"
@@ -131,7 +134,7 @@ exec "$DRY_PYTHON" "$@"
 }
 
 
-def dry_run(tmp_path, shards=None, checkpoints=()):
+def dry_run(tmp_path, shards=None, checkpoints=(), settings=None):
     """Run the script with the stubs; (its completed process, the calls, each a list of arguments
     beginning with the command's name). `checkpoints`: files to make under the checkpoint directory
     first, as a requeued job finds them."""
@@ -158,6 +161,7 @@ def dry_run(tmp_path, shards=None, checkpoints=()):
     }
     if shards is not None:
         env["DDILOCO_SHARDS"] = str(shards)
+    env.update(settings or {})
     out = subprocess.run(
         ["bash", str(SCRIPT)],
         cwd=tmp_path,
@@ -284,3 +288,24 @@ def test_a_dry_run_refuses_a_bad_shard_count_before_starting_anything(tmp_path, 
         return
     assert out.returncode == 2 and "DDILOCO_SHARDS" in out.stderr
     assert not any(c[0] in ("srun", "ddiloco") for c in recorded)
+
+
+def test_the_scripts_own_settings_stay_out_of_the_syncers_environment(tmp_path):
+    """`ddiloco syncer` refuses an unknown DDILOCO_* variable, and a step inherits the batch shell's
+    environment: the script's settings, given at submission, must not reach it; a setting of the
+    syncer's own, given the same way, does."""
+    settings = {
+        "DDILOCO_PORT": "8470",
+        "DDILOCO_SYNCER_ARGS": "--fragments 8 --checkpoint-every-merges 20",
+        "DDILOCO_LEARNER_ARGS": "--steps 2000",
+        "DDILOCO_REQUEUES_MAX": "20",
+        "DDILOCO_LEARNER_RESTARTS_MAX": "10",
+        "DDILOCO_LOG_LEVEL": "info",  # the syncer's own
+    }
+    out, _ = dry_run(tmp_path, shards=2, settings=settings)
+    assert out.returncode == 0, out.stderr
+    known = {s.env for s in SYNCER_SETTINGS}
+    for port in (8470, 8471):
+        seen = set((tmp_path / f"env-{port}").read_text().split())
+        assert seen <= known, f"the syncer would refuse {sorted(seen - known)}"
+        assert "DDILOCO_LOG_LEVEL" in seen
