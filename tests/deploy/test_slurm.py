@@ -6,8 +6,10 @@ record their arguments, renders the commands a job runs, unsharded and with DDIL
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,7 @@ def test_the_syncer_resumes_and_the_token_is_a_private_file():
 DRY_RUN_S_MAX = 60  # a dry run starts nothing real: it ends in seconds, or something hangs
 STUB_SLEEP_S = 30  # how long a stub syncer waits for the script's SIGTERM before it gives up
 LEARNER_TASKS = 3  # the tasks the stub srun runs for the learner step (component 1)
+POLL_S = 0.1  # how often a dry run looks whether the learners train yet
 SYNCER_NODE = "cpu-node-7"
 
 # Each stub writes its arguments, NUL-separated, to a file of its own under $DRY_DIR/calls (the
@@ -95,7 +98,8 @@ _RECORD = 'f="$(mktemp "$DRY_DIR/calls/XXXXXXXX")"; printf \'%s\\0\' "$(basename
 STUBS = {
     "scontrol": _RECORD + 'if [ "$1" = show ]; then echo ' + SYNCER_NODE + "; fi\n",
     # srun: drop its options, then run the command as component 0 (one task, in place) or as every
-    # task of component 1, each with its SLURM_PROCID, as SLURM would.
+    # task of component 1, each with its SLURM_PROCID, as SLURM would; a SIGTERM to srun reaches
+    # every process of every task (each task its own process group).
     "srun": _RECORD
     + """group=""
 while [ "$#" -gt 0 ] && [ "${1#-}" != "$1" ]; do
@@ -103,23 +107,31 @@ while [ "$#" -gt 0 ] && [ "${1#-}" != "$1" ]; do
   shift
 done
 if [ "$group" = 0 ]; then exec "$@"; fi
-status=0
+tasks=()
+trap 'for t in "${tasks[@]}"; do kill -TERM -- "-$t" 2> /dev/null || true; done' TERM
 for ((task = 0; task < DRY_LEARNER_TASKS; task++)); do
-  SLURM_PROCID=$task SLURM_NTASKS=$DRY_LEARNER_TASKS "$@" || status=1
+  SLURM_PROCID=$task SLURM_NTASKS=$DRY_LEARNER_TASKS setsid "$@" &
+  tasks+=($!)
 done
+status=0
+for t in "${tasks[@]}"; do wait "$t" || status=1; done
 exit "$status"
 """,
     # ddiloco: a syncer says it is up (a file named for its port) and runs until the script's
-    # SIGTERM; a learner spends its budget at once.
+    # SIGTERM, which it notes (another file); a learner spends its budget at once, or with
+    # DRY_LEARNER_SLEEP_S set, says it is training and trains until it is stopped.
     "ddiloco": _RECORD
     + """if [ "$1" = syncer ]; then
   nap=""
-  trap 'kill "$nap" 2> /dev/null; exit 0' TERM
+  trap 'kill "$nap" 2> /dev/null; touch "$DRY_DIR/stopped-$port"; exit 0' TERM
   port="$(printf '%s\\n' "$@" | sed -n '/^--port$/{n;p;}')"
   env | sed -n 's/^\\(DDILOCO_[A-Z0-9_]*\\)=.*/\\1/p' > "$DRY_DIR/env-$port"
   touch "$DRY_DIR/up-$port"
   sleep "$DRY_STUB_SLEEP_S" & nap=$!
   wait "$nap"
+elif [ -n "${DRY_LEARNER_SLEEP_S:-}" ]; then
+  touch "$DRY_DIR/training-$SLURM_PROCID"
+  sleep "$DRY_LEARNER_SLEEP_S"
 fi
 exit 0
 """,
@@ -134,10 +146,11 @@ exec "$DRY_PYTHON" "$@"
 }
 
 
-def dry_run(tmp_path, shards=None, checkpoints=(), settings=None):
+def dry_run(tmp_path, shards=None, checkpoints=(), settings=None, time_limit=False):
     """Run the script with the stubs; (its completed process, the calls, each a list of arguments
     beginning with the command's name). `checkpoints`: files to make under the checkpoint directory
-    first, as a requeued job finds them."""
+    first, as a requeued job finds them. `time_limit`: the learners train until stopped, and the
+    script gets SLURM's SIGTERM once they all train, as before the time limit."""
     bin_dir, calls, run_dir = tmp_path / "bin", tmp_path / "calls", tmp_path / "run"
     bin_dir.mkdir()
     calls.mkdir()
@@ -162,15 +175,23 @@ def dry_run(tmp_path, shards=None, checkpoints=(), settings=None):
     if shards is not None:
         env["DDILOCO_SHARDS"] = str(shards)
     env.update(settings or {})
-    out = subprocess.run(
-        ["bash", str(SCRIPT)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=DRY_RUN_S_MAX,
-        check=False,
-    )
+    if time_limit:
+        env["DRY_LEARNER_SLEEP_S"] = str(STUB_SLEEP_S)
+    with subprocess.Popen(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as job:
+        deadline = time.monotonic() + DRY_RUN_S_MAX
+        try:
+            while time_limit and not all((tmp_path / f"training-{i}").exists() for i in range(LEARNER_TASKS)):
+                assert job.poll() is None and time.monotonic() < deadline, "the learners never started"
+                time.sleep(POLL_S)
+            if time_limit:
+                job.send_signal(signal.SIGTERM)
+            stdout, stderr = job.communicate(timeout=max(deadline - time.monotonic(), 1))
+        finally:
+            if job.poll() is None:
+                job.kill()
+    out = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
     recorded = [f.read_bytes().decode().split("\0")[:-1] for f in calls.iterdir()]
     return out, recorded
 
@@ -309,3 +330,12 @@ def test_the_scripts_own_settings_stay_out_of_the_syncers_environment(tmp_path):
         seen = set((tmp_path / f"env-{port}").read_text().split())
         assert seen <= known, f"the syncer would refuse {sorted(seen - known)}"
         assert "DDILOCO_LOG_LEVEL" in seen
+
+
+def test_a_dry_run_stopped_before_the_time_limit_stops_every_shard_and_requeues(tmp_path):
+    out, recorded = dry_run(tmp_path, shards=2, time_limit=True)
+    assert out.returncode == 0, out.stderr
+    assert "the time limit is near" in out.stdout
+    # SIGTERM reached every shard, each the chance to write its last checkpoint, before the requeue
+    assert (tmp_path / "stopped-8470").exists() and (tmp_path / "stopped-8471").exists()
+    assert ["scontrol", "requeue", "4242"] in recorded
