@@ -379,13 +379,12 @@ class DilocoSync:
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
-        return tuple(q for q in self._scheduled_next() if not self._waits_on_push(q))
+        skips_max = self.config.push_skips_max
+        waits = lambda q: pushes.waits_on_push(self._pushes, q, self.fragments[q].version, skips_max)
+        return tuple(q for q in self._scheduled_next() if not waits(q))
 
     def _scheduled_next(self) -> tuple[int, ...]:
         return scheduling.scheduled_at(self._schedule, self.fragments, self.step_count + 1)
-
-    def _waits_on_push(self, q: int) -> bool:
-        return pushes.waits_on_push(self._pushes, q, self.fragments[q].version, self.config.push_skips_max)
 
     @property
     def pushes_in_flight(self) -> tuple[int, ...]:
