@@ -29,16 +29,18 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Self
+from typing import Any, Self
 
-import numpy as np
-
-from ddiloco.core import codec, shards
+from ddiloco.core import codec
 from ddiloco.core import publish as publishing
 from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, TensorSpec, layout_from_description
 from ddiloco.errors import UserError
-from ddiloco.learner import recovery
+from ddiloco.learner import arrivals, local_state, pushes, recovery
+from ddiloco.learner import schedule as scheduling
+from ddiloco.learner.fragment import FragmentSync, progress_report, replaced
+from ddiloco.learner.pushes import PUSH_SKIPS_LIMIT, PUSH_SKIPS_MAX
+from ddiloco.learner.schedule import due_fragments
 from ddiloco.learner.tape import LearnerTapeWriter
 from ddiloco.learner.transport import SnapshotOutbox, Transport
 from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
@@ -72,19 +74,6 @@ def check_alpha(alpha: float) -> None:
 
 class NotJoinedError(UserError, RuntimeError):
     """What the syncer's welcome decides (the learner id, the layout) was asked before `join`."""
-
-
-# The default of `SyncConfig.push_skips_max`: the most due steps of a fragment skipped while this
-# learner's last push of it, from the version it still holds, awaits its merged version (the
-# hold-back). A push made before that version arrives is stale by construction: the syncer merges it
-# onto a version that already holds the previous push, and with outer momentum the stale pushes of
-# one learner compound (a single learner stepping in 1 ms under the default Nesterov 0.9 diverged).
-# Past this many skipped due steps, on a rejoin and after any error from the syncer the learner
-# pushes again: the increment since its last push, so nothing is counted twice (docs/protocol.md,
-# "A push is an increment"). Generous: a learner stepping in 1 ms with 4 fragments due every 4 steps
-# meets its due steps faster than a loaded syncer's round trip.
-PUSH_SKIPS_MAX = 16
-PUSH_SKIPS_LIMIT = 1_000_000  # beyond, a push lost in transit would stall a fragment for good
 
 
 @dataclass(frozen=True)
@@ -136,72 +125,18 @@ class SyncConfig:
             raise ValueError("error feedback needs a lossy codec (fp32 loses nothing)")
 
 
-class FragmentSync(NamedTuple):
-    """One fragment's sync state, as a value: the hook keeps a tuple of these, one per fragment."""
-
-    version: int = -1  # the version held; -1: none yet (the learner has weight 0 until it holds all)
-    base: np.ndarray | None = None  # that version's values as received: what outer gradients start from
-    steps: int = 0  # inner steps since the version held arrived
-    tokens: int = 0  # tokens trained on since then
-    feedback: codec.FeedbackState | None = None  # error feedback's residual, when enabled
-    # The syncer's published copy of `version` (core.publish), bit for bit: what the next delta
-    # applies onto. None when the version held came from elsewhere (a peer, a snapshot) and no whole
-    # copy of it has arrived: deltas are then ignored until one does. Never changed in place.
-    published: np.ndarray | None = None
-    # Of `tokens`, those trained under the version before and carried over its merge (`_apply`).
-    carried: int = 0
-
-    def counted(self, tokens: int) -> FragmentSync:
-        """One more inner step of `tokens` tokens."""
-        return self._replace(steps=self.steps + 1, tokens=self.tokens + tokens)
-
-    def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
-        """A version arrived and was applied: it is the new base, and the counters start again."""
-        return self._replace(version=version, base=values, steps=0, tokens=0, published=published, carried=0)
-
-
-# The most calls an arrived version waits behind a push of its fragment (`DilocoSync._apply_arrived`).
-DEFER_CALLS_MAX = 2
-
-
-def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
-    """phase -> the fragments pushed at the steps of that phase (step mod period), in index order."""
-    due: dict[int, tuple[int, ...]] = {}
-    for q, t in enumerate(offsets):
-        due[t] = due.get(t, ()) + (q,)
-    return due
-
-
-class _LastPush(NamedTuple):
-    """This learner's last push of a fragment: its base version, the due steps skipped since
-    (PUSH_SKIPS_MAX), and what it pushed: the host copy of the parameters and the counters then. The
-    next push from the same base is the increment over it (theta - the parameters then), so no
-    progress is pushed twice."""
-
-    base: int
-    skips: int
-    theta: np.ndarray
-    steps: int
-    tokens: int
-
-
-class _InFlight(NamedTuple):
-    """A push on its way: fragment `fragment`'s host copy started at `step`, with the fragment's
-    sync state then (its base, version and counters are what the push carries)."""
-
-    fragment: int
-    step: int
-    frag: FragmentSync
-    leaves: list
-
-
 class DilocoSync:
     """One learner's side of Decoupled DiLoCo. Construct with the initial parameters (they become
     global state only if the syncer holds none and asks for them), then call `step` every step.
 
     `transport` is how it reaches the syncer (learner.transport.Transport): by default a
     `ThreadedClient` to `config.url`, started by `join`; `experiments.runner` passes an in-process one
-    that feeds the syncer core on a virtual clock, full replay one that hands back a recording."""
+    that feeds the syncer core on a virtual clock, full replay one that hands back a recording.
+
+    The class is the step's orchestration and its I/O (the transport, the tape, the devices); what it
+    decides lives in values beside it: the fragments' sync state (learner.fragment), the schedule
+    (learner.schedule), the push side (learner.pushes), the arrival side (learner.arrivals) and the
+    local state of a snapshot (learner.local_state)."""
 
     def __init__(
         self,
@@ -237,19 +172,9 @@ class DilocoSync:
         self.fragments: tuple[FragmentSync, ...] = ()
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
-        self._period = 1
-        self._shard_of: tuple[tuple[int, ...], ...] = ()  # fragment -> the fragments of its shard (core.shards)
-        self._due: dict[int, tuple[int, ...]] = {}  # the welcome's schedule, by phase (`due_fragments`)
-        self._in_flight: list[_InFlight] = []  # pushes whose host copies started, sent at the next call
-        # Arrived versions of fragments whose push is in flight or went out in this call, with the
-        # calls they waited: applied once the push went out at an earlier call, so that the report
-        # of the new version leaves after the push of the old one (the syncer books the push's
-        # tokens in the window of the version it was computed from).
-        self._deferred: dict[int, tuple[list[session.UpdateInfo], int]] = {}
-        self.pushes_skipped = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
-        # fragment -> this learner's last push of it; void once a newer version is held
-        self._last_push: dict[int, _LastPush] = {}
-        self.pushes_held = 0  # due steps skipped behind a push not merged back yet; their tokens go with the next push
+        self._schedule = scheduling.Schedule()
+        self._pushes = pushes.Pushes(last={})
+        self._deferred: arrivals.Deferred = {}  # arrived versions waiting behind a push (arrivals.defer)
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -299,9 +224,7 @@ class DilocoSync:
         self._layout = layout_from_description(welcome.layout)
         self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
-        num = self._layout.num_fragments
-        self._shard_of = tuple(shards.owned(shards.owner(q, welcome.shards), welcome.shards, num) for q in range(num))
-        self._schedule(welcome)
+        self._schedule = scheduling.schedule_of(welcome, self._layout.num_fragments)
         self.step_count = welcome.global_step
         self.recovered_from = "init" if welcome.needs_init else "syncer"
         if welcome.needs_init:
@@ -365,7 +288,7 @@ class DilocoSync:
         fragments = list(self.fragments)
         for q in asked:
             values = tree.gather(params, q)
-            payload = _encode_init(values, self.parallel_kernels)
+            payload = codec.encode(values, "fp32", parallel=self.parallel_kernels)
             if self.tape is not None:
                 self.tape.init(self.calls, q, payload)
             client.init(q, payload)
@@ -386,10 +309,9 @@ class DilocoSync:
         reset = set(welcome.owned)
         self.fragments = tuple(FragmentSync() if q in reset else f for q, f in enumerate(self.fragments))
         # What was under way for those fragments belongs to the old session.
-        self._in_flight = [f for f in self._in_flight if f.fragment not in reset]
-        self._deferred = {q: d for q, d in self._deferred.items() if q not in reset}
-        self._last_push = {q: o for q, o in self._last_push.items() if q not in reset}
-        self._schedule(welcome)
+        self._pushes = pushes.forget(self._pushes, reset)
+        self._deferred = arrivals.forget(self._deferred, reset)
+        self._schedule = scheduling.rescheduled(self._schedule, welcome, len(self.fragments))
         if welcome.needs_init:
             self._send_init(params, welcome.init_fragments)
         elif welcome.shards > 1:
@@ -435,9 +357,7 @@ class DilocoSync:
         welcome = self.join()
         _, _, layout = self._joined()
         snap = peer.decode_snapshot(data)
-        sync_meta = snap.meta.get("sync")
-        if not isinstance(sync_meta, dict):
-            raise recovery.RecoveryError("not a learner's local state of a snapshot (no sync state in it)")
+        sync_meta = local_state.sync_meta_of(snap)
         params, opt_state, step, versions = recovery.adopt(
             snap, params, opt_state, layout.digest, tuple(welcome.versions)
         )
@@ -446,76 +366,46 @@ class DilocoSync:
                 f"the local state holds versions {list(versions)}, newer than the syncer's "
                 f"{list(welcome.versions)}: they are not from the same snapshot"
             )
-        p = layout.num_fragments
-        missing = [q for q in range(p) if f"sync/base/{q}" not in snap.arrays]
-        if missing:
-            raise recovery.RecoveryError(f"the local state has no base of fragments {missing}")
+        fragments = local_state.fragments_of(snap, sync_meta, versions, layout.num_fragments)
         self.step_count = step
-        self.fragments = tuple(
-            FragmentSync(
-                versions[q],
-                np.array(snap.arrays[f"sync/base/{q}"]),
-                int(sync_meta["steps"][q]),
-                int(sync_meta["tokens"][q]),
-                codec.FeedbackState(np.array(snap.arrays[f"sync/feedback/{q}"]))
-                if f"sync/feedback/{q}" in snap.arrays
-                else None,
-            )
-            for q in range(p)
-        )
+        self.fragments = fragments
         self.recovered_from = "snapshot"
         log.info("restored step %d and versions %s from a snapshot's local state", step, list(versions))
         return params, opt_state
 
     # ---- the step ------------------------------------------------------------------------------------
 
-    def _schedule(self, welcome: session.WelcomeInfo) -> None:
-        offsets = welcome.offsets or (0,) * len(self.fragments)
-        self._period, self._due = welcome.period, due_fragments(welcome.period, offsets)
-
     @property
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
-        return tuple(q for q in self._scheduled_next() if not self._waits_on_push(q))
+        skips_max = self.config.push_skips_max
+        waits = lambda q: pushes.waits_on_push(self._pushes, q, self.fragments[q].version, skips_max)
+        return tuple(q for q in self._scheduled_next() if not waits(q))
 
     def _scheduled_next(self) -> tuple[int, ...]:
-        """The fragments the schedule makes due at the next call's step, of those whose syncer (or
-        shard) is served: none while one of its fragments' versions is missing (`_holds_shard_of`)."""
-        if not self.fragments:
-            return ()
-        return tuple(q for q in self._due.get((self.step_count + 1) % self._period, ()) if self._holds_shard_of(q))
-
-    def _waits_on_push(self, q: int) -> bool:
-        """Whether fragment q's due steps are skipped now: this learner's last push of q, from the
-        version it holds, has not come back merged yet (PUSH_SKIPS_MAX)."""
-        last = self._last_push.get(q)
-        return last is not None and last.base == self.fragments[q].version and last.skips < self.config.push_skips_max
-
-    def _held_back(self, due: tuple[int, ...]) -> tuple[int, ...]:
-        """Of the fragments the schedule makes due, those skipped (counted against PUSH_SKIPS_MAX)."""
-        held = tuple(q for q in due if self._waits_on_push(q))
-        for q in held:
-            self._last_push[q] = self._last_push[q]._replace(skips=self._last_push[q].skips + 1)
-        self.pushes_held += len(held)
-        return held
-
-    def _holds_shard_of(self, q: int) -> bool:
-        """Whether this learner holds a version of every fragment of fragment q's shard (with one
-        syncer: of every fragment). Until then it has weight 0 there: it neither pushes nor reports
-        to it. The other shards are not held up by one whose fragments are on their way."""
-        return all(self.fragments[p].version >= 0 for p in self._shard_of[q])
+        return scheduling.scheduled_at(self._schedule, self.fragments, self.step_count + 1)
 
     @property
     def pushes_in_flight(self) -> tuple[int, ...]:
         """Fragments whose host copy a call started and whose push the next call sends."""
-        return tuple(f.fragment for f in self._in_flight)
+        return tuple(f.fragment for f in self._pushes.in_flight)
 
     @property
     def updates_waiting(self) -> tuple[int, ...]:
         """Fragments whose arrived version the next call applies although nothing new arrives: held
-        back one call behind the fragment's push (see `_apply_arrived`)."""
+        back one call behind the fragment's push (see `arrivals.defer`)."""
         return tuple(sorted(self._deferred))
+
+    @property
+    def pushes_held(self) -> int:
+        """Due steps skipped behind a push not merged back yet; their tokens go with the next push."""
+        return self._pushes.held
+
+    @property
+    def pushes_skipped(self) -> int:
+        """Pushes given up: their leaves were deleted (a donating step) meanwhile."""
+        return self._pushes.skipped
 
     def step(self, params: Any, tokens: int, opt_state: Any = None) -> Any:
         """Account one inner step of `tokens` tokens; return `params` with arrived fragments applied.
@@ -527,7 +417,7 @@ class DilocoSync:
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
-        client, _, layout = self._joined()
+        client, tree, layout = self._joined()
         scheduled = self._scheduled_next()
         self.step_count += 1
         self.calls += 1
@@ -543,32 +433,23 @@ class DilocoSync:
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
         if errors:  # a refused push comes back as no version: the next due step pushes (its increment)
-            self._last_push = {
-                q: last._replace(skips=self.config.push_skips_max) for q, last in self._last_push.items()
-            }
+            self._pushes = pushes.refused(self._pushes, self.config.push_skips_max)
         # Pushes started at an earlier call first: against the versions held then (a push of base v
         # that arrives after version v+1 was merged still counts, discounted: it is not overwritten).
-        sent = self._send_in_flight() if self._in_flight else ()
+        sent = self._send_in_flight() if self._pushes.in_flight else ()
         # Due fragments are copied before arrived versions overwrite them: the push keeps the
         # progress made since the version held.
-        held = self._held_back(scheduled)
+        self._pushes, held = pushes.hold_back(self._pushes, scheduled, self.fragments, self.config.push_skips_max)
         for q in (q for q in scheduled if q not in held):
-            self._in_flight.append(_InFlight(q, self.step_count, self.fragments[q], self._tree.start_gather(params, q)))
+            flight = pushes.InFlight(q, self.step_count, self.fragments[q], tree.start_gather(params, q))
+            self._pushes = pushes.started(self._pushes, flight)
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
-        if any(self._holds_shard_of(q) for q in range(len(self.fragments))):
+        if any(scheduling.holds_shard_of(self._schedule, self.fragments, q) for q in range(len(self.fragments))):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live). To a
             # sharded syncer, the report goes to each shard whose fragments it holds (net.sharded).
-            client.progress(
-                session.ProgressInfo(
-                    self.step_count,
-                    tuple(self.versions),
-                    tuple(self.steps),
-                    tuple(self.tokens),
-                    tuple(f.carried for f in self.fragments),
-                )
-            )
+            client.progress(progress_report(self.step_count, self.fragments))
         for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
             # pushes made so far, which is what makes the cut consistent.
@@ -582,63 +463,13 @@ class DilocoSync:
             self.snapshots.publish(snapshot)
         return params
 
-    @property
-    def _tree(self) -> TreeFragments:
-        return self._joined()[1]
-
-    def _apply(self, params: Any, q: int, chain: list[session.UpdateInfo]) -> Any:
-        """The updates of fragment q that arrived, in order: each delta onto the published copy of
-        exactly its base version (else ignored: a whole copy follows, docs/protocol.md "Delta
-        broadcast"), a whole copy as it is. The newest version reached goes into the parameters once."""
-        frag = self.fragments[q]
-        version, published = frag.version, frag.published
-        for update in chain:
-            if update.whole:
-                if update.version < version or (update.version == version and published is not None):
-                    continue
-                published = _decode(update.encoded, self.parallel_kernels)
-                if update.version == version:
-                    # The version held came from a peer or a snapshot: its base stays (this learner's
-                    # outer gradient holds its own progress only); the published copy is the syncer's.
-                    frag = frag._replace(published=published)
-                    continue
-            else:
-                if published is None or update.base_version != version:
-                    continue
-                published = _apply_delta(published, update.encoded, self.parallel_kernels)
-            version = update.version
-        if version == frag.version:
-            self._set(q, frag)
-            return params
-        _, tree, _ = self._joined()
-        kept = self._kept_progress(q, frag)
-        if kept is None:
-            params = tree.scatter(params, q, published, self.config.alpha)
-            self._set(q, frag.received(version, published, published))
-        else:
-            # The new version plus what this learner trained since its last push (or since the version
-            # it held, when none is outstanding): published + (theta - anchor), added on the devices.
-            anchor, steps, tokens = kept
-            params = tree.add(params, q, published - anchor)
-            received = frag.received(version, published, published)
-            self._set(q, received._replace(steps=steps, tokens=tokens, carried=tokens))
-        self.merged_versions_applied += 1
-        return params
-
     def _apply_arrived(self, params: Any, updates: dict[int, list[session.UpdateInfo]], sent: tuple[int, ...]) -> Any:
-        """Apply the updates of each fragment that arrived, in order, except where a push of the
-        fragment is in flight or went out in this call: those wait (`_deferred`), at most
-        DEFER_CALLS_MAX calls (with one fragment due every step, a push of it is always in flight)."""
-        arrived, self._deferred = self._deferred, {}
-        for q, chain in updates.items():
-            earlier, waited = arrived.get(q, ([], 0))
-            arrived[q] = (earlier + list(chain), waited)
-        busy = set(sent) | {f.fragment for f in self._in_flight}
-        for q, (chain, waited) in sorted(arrived.items()):
-            if q in busy and waited < DEFER_CALLS_MAX:
-                self._deferred[q] = (chain, waited + 1)
-                continue
-            if any(f.fragment == q for f in self._in_flight):
+        """Apply the updates of each fragment that arrived, in order, except those that wait behind a
+        push of the fragment (`arrivals.defer`)."""
+        busy = set(sent) | set(self.pushes_in_flight)
+        ready, self._deferred = arrivals.defer(self._deferred, updates, busy)
+        for q, chain in ready:
+            if q in self.pushes_in_flight:
                 # Waited long enough (a fragment due every step or two): its push, copied before this
                 # version, goes out first (waiting for the copy), so that what the version keeps of
                 # this learner's progress starts where that push ends and nothing is pushed twice.
@@ -646,45 +477,52 @@ class DilocoSync:
             params = self._apply(params, q, chain)
         return params
 
-    def _kept_progress(self, q: int, frag: FragmentSync) -> tuple[np.ndarray, int, int] | None:
-        """(anchor, steps, tokens) of the progress fragment q keeps over an arriving version: since
-        this learner's last push from the version held (what that push carried is in the syncer's
-        hands), else since that version. None: overwrite (an alpha mix, or no version held yet).
-        docs/algorithm.md, "Progress carried over a merge"."""
-        if not self.config.keep_progress or self.config.alpha or frag.base is None or frag.version < 0:
-            return None
-        last = self._last_push.get(q)
-        if last is not None and last.base == frag.version:
-            return last.theta, frag.steps - last.steps, frag.tokens - last.tokens
-        return frag.base, frag.steps, frag.tokens
+    def _apply(self, params: Any, q: int, chain: list[session.UpdateInfo]) -> Any:
+        """The updates of fragment q that arrived, in order (`arrivals.reach`); the newest version
+        reached goes into the parameters once."""
+        frag, version, published = arrivals.reach(self.fragments[q], chain, self.parallel_kernels)
+        if version == frag.version:
+            self.fragments = replaced(self.fragments, q, frag)
+            return params
+        assert published is not None  # a newer version is reached only with its published copy
+        tree = self._joined()[1]
+        kept = arrivals.kept_progress(frag, self._pushes.last.get(q), self.config.keep_progress, self.config.alpha)
+        if kept is None:
+            params = tree.scatter(params, q, published, self.config.alpha)
+        else:
+            # The new version plus what this learner trained since its last push (or since the version
+            # it held, when none is outstanding): published + (theta - anchor), added on the devices.
+            params = tree.add(params, q, published - kept.anchor)
+        self.fragments = replaced(self.fragments, q, arrivals.received(frag, version, published, kept))
+        self.merged_versions_applied += 1
+        return params
 
     def _send_in_flight(self, fragment: int | None = None) -> tuple[int, ...]:
         """Encode and send the pushes whose host copies were started (of `fragment` only, if given),
         in the order started; the fragments pushed."""
-        flights = [f for f in self._in_flight if fragment is None or f.fragment == fragment]
-        self._in_flight = [f for f in self._in_flight if f not in flights]
+        self._pushes, flights = pushes.take(self._pushes, fragment)
         for flight in flights:
             self._push(flight)
         return tuple(f.fragment for f in flights)
 
-    def _push(self, flight: _InFlight) -> None:
+    def _push(self, flight: pushes.InFlight) -> None:
         client, tree, layout = self._joined()
         q, frag = flight.fragment, flight.frag
-        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in flight.leaves):
+        if pushes.donated(flight):
             # A training step that donates its parameters freed them before the copy was read: this
             # push is given up; the counters run on and the next push of the fragment carries them.
-            self.pushes_skipped += 1
+            self._pushes = pushes.given_up(self._pushes)
             log.warning("push of fragment %d at step %d skipped: its parameters were donated", q, flight.step)
             return
         theta = tree.finish_gather(q, flight.leaves)
-        # The progress since this learner's last push of the fragment from the same version (that
-        # one is in the syncer's hands), else since the version: each step's progress is pushed once.
-        last = self._last_push.get(q)
-        since = last.theta if last is not None and last.base == frag.version else frag.base
-        payload, feedback = _encode_delta(
-            since - theta,
+        config = self.config
+        payload, feedback = pushes.encode_increment(
+            self._pushes,
+            flight,
+            theta,
             self.fragments[q].feedback,
-            self.config,
+            config.codec,
+            config.error_feedback,
             layout.block,
             self.parallel_kernels,
         )
@@ -694,24 +532,20 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.push(self.calls, push)
         if client.push(push) is not False:  # a transport that returns nothing sent it
-            self._set(q, self.fragments[q]._replace(feedback=feedback))
-            self._last_push[q] = _LastPush(frag.version, 0, theta, frag.steps, frag.tokens)
+            self.fragments = replaced(self.fragments, q, self.fragments[q]._replace(feedback=feedback))
+            self._pushes = pushes.sent(self._pushes, flight, theta)
         elif self.tape is not None:  # not sent: the next push starts from where this one did
             self.tape.dropped(self.calls, q)
-
-    def _set(self, q: int, frag: FragmentSync) -> None:
-        self.fragments = self.fragments[:q] + (frag,) + self.fragments[q + 1 :]
 
     # ---- state out -----------------------------------------------------------------------------------
 
     def local_state_bytes(self, params: Any, opt_state: Any) -> bytes:
         """Everything this learner's future depends on: parameters, optimizer state, step, and the
-        sync state (fragment versions held, their bases, counters since, error-feedback residuals)."""
+        sync state (learner.local_state)."""
         _, _, layout = self._joined()
-        arrays = {f"base/{q}": f.base for q, f in enumerate(self.fragments) if f.base is not None}
-        arrays |= {f"feedback/{q}": f.feedback.residual for q, f in enumerate(self.fragments) if f.feedback is not None}
-        meta = {"steps": self.steps, "tokens": self.tokens, "name": self.config.name, "learner": self.learner_id}
-        return recovery.snapshot_bytes(params, opt_state, self.step_count, self.versions, layout.digest, meta, arrays)
+        return local_state.local_state_bytes(
+            params, opt_state, self.step_count, self.fragments, self.config.name, self.learner_id, layout.digest
+        )
 
     def params_sha256(self, params: Any) -> str:
         """sha256 of every fragment of `params`, gathered to the host: what a full replay compares."""
@@ -729,7 +563,7 @@ class DilocoSync:
             return
         self._closed = True
         try:
-            if self._in_flight and self.client is not None:
+            if self._pushes.in_flight and self.client is not None:
                 self._send_in_flight()  # the last step's pushes, sent (and recorded) before the goodbye
         except Exception as exc:  # noqa: BLE001 - closing goes on: a client already stopped cannot send
             log.warning("the last pushes were not sent: %s", exc)
@@ -745,35 +579,6 @@ class DilocoSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# The codec calls, one small helper each (the kernels' threading is decided in one place).
-
-
-def _encode_init(values: np.ndarray, parallel: bool) -> bytes:
-    return codec.encode(values, "fp32", parallel=parallel)
-
-
-def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
-    return encoded.decode(parallel=parallel)
-
-
-def _apply_delta(published: np.ndarray, delta: codec.Encoded, parallel: bool) -> np.ndarray:
-    """A new array: published + decode(delta), the bits the syncer's published copy has."""
-    out = published.copy()
-    publishing.apply(out, delta, parallel=parallel)
-    return out
-
-
-def _encode_delta(
-    delta: np.ndarray, feedback: codec.FeedbackState | None, config: SyncConfig, block: int, parallel: bool
-) -> tuple[bytes, codec.FeedbackState | None]:
-    """An outer gradient as push bytes; with error feedback, also the residual it leaves for the next."""
-    if not config.error_feedback:
-        return codec.encode(delta, config.codec, block, parallel=parallel), feedback
-    return codec.encode_with_feedback(
-        delta, feedback or codec.feedback_init(delta.size), config.codec, block, parallel=parallel
-    )
 
 
 def syncer_transport(config: SyncConfig, tensors: tuple[TensorSpec, ...], peer_url: str = "") -> Transport:

@@ -1,0 +1,130 @@
+"""The arrival side of the sync hook: the chain of updates of each fragment (deltas onto the
+syncer's published copy, whole copies), the wait behind a push of the fragment, and the progress
+carried over an arriving version.
+
+Pure functions over values; the hook (learner.sync) puts what they decide into the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from ddiloco.core import codec
+from ddiloco.core import publish as publishing
+from ddiloco.learner.fragment import FragmentSync
+from ddiloco.learner.pushes import LastPush
+from ddiloco.net import session
+
+__all__ = ["DEFER_CALLS_MAX", "Deferred", "Kept", "Reached", "defer", "forget", "kept_progress", "reach", "received"]
+
+# The most calls an arrived version waits behind a push of its fragment (`defer`).
+DEFER_CALLS_MAX = 2
+
+# fragment -> (the updates that arrived for it, in order; the calls they waited). Arrived versions of
+# fragments whose push is in flight or went out in this call: applied once the push went out at an
+# earlier call, so that the report of the new version leaves after the push of the old one (the
+# syncer books the push's tokens in the window of the version it was computed from). Replaced, never
+# changed in place.
+Deferred = Mapping[int, tuple[list[session.UpdateInfo], int]]
+
+
+def defer(
+    deferred: Deferred, updates: Mapping[int, list[session.UpdateInfo]], busy: Collection[int]
+) -> tuple[list[tuple[int, list[session.UpdateInfo]]], Deferred]:
+    """(the chains to apply now, in fragment order; those that wait): the updates of each fragment
+    that arrived, after those that waited, except where a push of the fragment is in flight or went
+    out in this call (`busy`): those wait, at most DEFER_CALLS_MAX calls (with one fragment due every
+    step, a push of it is always in flight)."""
+    arrived = dict(deferred)
+    for q, chain in updates.items():
+        earlier, waited = arrived.get(q, ([], 0))
+        arrived[q] = (earlier + list(chain), waited)
+    ready, waiting = [], {}
+    for q, (chain, waited) in sorted(arrived.items()):
+        if q in busy and waited < DEFER_CALLS_MAX:
+            waiting[q] = (chain, waited + 1)
+        else:
+            ready.append((q, chain))
+    return ready, waiting
+
+
+def forget(deferred: Deferred, fragments: Collection[int]) -> Deferred:
+    """`fragments` start a new session: their waiting versions belong to the old one."""
+    return {q: d for q, d in deferred.items() if q not in fragments}
+
+
+class Reached(NamedTuple):
+    """Where a fragment's chain of updates led: the fragment's state (its published copy replaced
+    when a whole copy of the version held arrived), the newest version reached and its published copy."""
+
+    frag: FragmentSync
+    version: int
+    published: np.ndarray | None
+
+
+def reach(frag: FragmentSync, chain: list[session.UpdateInfo], parallel: bool) -> Reached:
+    """The updates of a fragment that arrived, in order: each delta onto the published copy of
+    exactly its base version (else ignored: a whole copy follows, docs/protocol.md "Delta
+    broadcast"), a whole copy as it is."""
+    version, published = frag.version, frag.published
+    for update in chain:
+        if update.whole:
+            if update.version < version or (update.version == version and published is not None):
+                continue
+            published = _decode(update.encoded, parallel)
+            if update.version == version:
+                # The version held came from a peer or a snapshot: its base stays (this learner's
+                # outer gradient holds its own progress only); the published copy is the syncer's.
+                frag = frag._replace(published=published)
+                continue
+        else:
+            if published is None or update.base_version != version:
+                continue
+            published = _apply_delta(published, update.encoded, parallel)
+        version = update.version
+    return Reached(frag, version, published)
+
+
+class Kept(NamedTuple):
+    """The progress a fragment keeps over an arriving version: what it trained since `anchor`
+    (the parameters then), in `steps` steps and `tokens` tokens."""
+
+    anchor: np.ndarray
+    steps: int
+    tokens: int
+
+
+def kept_progress(frag: FragmentSync, last: LastPush | None, keep_progress: bool, alpha: float) -> Kept | None:
+    """The progress the fragment keeps over an arriving version: since this learner's last push
+    (`last`) from the version held (what that push carried is in the syncer's hands), else since that
+    version. None: overwrite (an alpha mix, or no version held yet). docs/algorithm.md, "Progress
+    carried over a merge"."""
+    if not keep_progress or alpha or frag.base is None or frag.version < 0:
+        return None
+    if last is not None and last.base == frag.version:
+        return Kept(last.theta, frag.steps - last.steps, frag.tokens - last.tokens)
+    return Kept(frag.base, frag.steps, frag.tokens)
+
+
+def received(frag: FragmentSync, version: int, published: np.ndarray, kept: Kept | None) -> FragmentSync:
+    """The fragment's state once `version` (its published copy `published`) is in the parameters,
+    with the progress `kept` over it, if any, counted as carried."""
+    new = frag.received(version, published, published)
+    return new if kept is None else new._replace(steps=kept.steps, tokens=kept.tokens, carried=kept.tokens)
+
+
+# The codec calls of the arrival side, one small helper each.
+
+
+def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
+    return encoded.decode(parallel=parallel)
+
+
+def _apply_delta(published: np.ndarray, delta: codec.Encoded, parallel: bool) -> np.ndarray:
+    """A new array: published + decode(delta), the bits the syncer's published copy has."""
+    out = published.copy()
+    publishing.apply(out, delta, parallel=parallel)
+    return out

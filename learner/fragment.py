@@ -1,0 +1,57 @@
+"""One fragment's sync state on the learner, as a value, and the progress report built from them.
+
+The hook (learner.sync) keeps a tuple of `FragmentSync`, one per fragment; the push side
+(learner.pushes) and the arrival side (learner.arrivals) take one and hand back a new one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ddiloco.core import codec
+from ddiloco.net import session
+
+__all__ = ["FragmentSync", "progress_report", "replaced"]
+
+
+class FragmentSync(NamedTuple):
+    """One fragment's sync state, as a value: the hook keeps a tuple of these, one per fragment."""
+
+    version: int = -1  # the version held; -1: none yet (the learner has weight 0 until it holds all)
+    base: np.ndarray | None = None  # that version's values as received: what outer gradients start from
+    steps: int = 0  # inner steps since the version held arrived
+    tokens: int = 0  # tokens trained on since then
+    feedback: codec.FeedbackState | None = None  # error feedback's residual, when enabled
+    # The syncer's published copy of `version` (core.publish), bit for bit: what the next delta
+    # applies onto. None when the version held came from elsewhere (a peer, a snapshot) and no whole
+    # copy of it has arrived: deltas are then ignored until one does. Never changed in place.
+    published: np.ndarray | None = None
+    # Of `tokens`, those trained under the version before and carried over its merge (learner.arrivals).
+    carried: int = 0
+
+    def counted(self, tokens: int) -> FragmentSync:
+        """One more inner step of `tokens` tokens."""
+        return self._replace(steps=self.steps + 1, tokens=self.tokens + tokens)
+
+    def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
+        """A version arrived and was applied: it is the new base, and the counters start again."""
+        return self._replace(version=version, base=values, steps=0, tokens=0, published=published, carried=0)
+
+
+def replaced(fragments: tuple[FragmentSync, ...], q: int, frag: FragmentSync) -> tuple[FragmentSync, ...]:
+    """`fragments` with fragment q's state replaced by `frag`."""
+    return fragments[:q] + (frag,) + fragments[q + 1 :]
+
+
+def progress_report(step: int, fragments: tuple[FragmentSync, ...]) -> session.ProgressInfo:
+    """The progress report at global step `step`: per fragment, the version held and the steps and
+    tokens trained on since (of those, the tokens carried over its merge)."""
+    return session.ProgressInfo(
+        step,
+        tuple(f.version for f in fragments),
+        tuple(f.steps for f in fragments),
+        tuple(f.tokens for f in fragments),
+        tuple(f.carried for f in fragments),
+    )

@@ -1,0 +1,58 @@
+"""The push schedule a syncer's welcome gives: which fragments are due at which step, and which
+of them this learner serves yet (it holds a version of every fragment of their syncer or shard).
+
+A value (`Schedule`) and pure functions of it; the hold-back behind an outstanding push is the push
+side's (learner.pushes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from ddiloco.core import shards
+from ddiloco.learner.fragment import FragmentSync
+from ddiloco.net import session
+
+__all__ = ["Schedule", "due_fragments", "holds_shard_of", "rescheduled", "scheduled_at", "schedule_of"]
+
+
+def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """phase -> the fragments pushed at the steps of that phase (step mod period), in index order."""
+    due: dict[int, tuple[int, ...]] = {}
+    for q, t in enumerate(offsets):
+        due[t] = due.get(t, ()) + (q,)
+    return due
+
+
+class Schedule(NamedTuple):
+    period: int = 1
+    due: Mapping[int, tuple[int, ...]] = {}  # the welcome's schedule, by phase (`due_fragments`)
+    shard_of: tuple[tuple[int, ...], ...] = ()  # fragment -> the fragments of its shard (core.shards)
+
+
+def schedule_of(welcome: session.WelcomeInfo, num: int) -> Schedule:
+    """The schedule of a first welcome, for `num` fragments."""
+    shard_of = tuple(shards.owned(shards.owner(q, welcome.shards), welcome.shards, num) for q in range(num))
+    return rescheduled(Schedule(shard_of=shard_of), welcome, num)
+
+
+def rescheduled(schedule: Schedule, welcome: session.WelcomeInfo, num: int) -> Schedule:
+    """The schedule after a welcome (a first one or a rejoin's): its period and offsets."""
+    offsets = welcome.offsets or (0,) * num
+    return schedule._replace(period=welcome.period, due=due_fragments(welcome.period, offsets))
+
+
+def holds_shard_of(schedule: Schedule, fragments: tuple[FragmentSync, ...], q: int) -> bool:
+    """Whether this learner holds a version of every fragment of fragment q's shard (with one
+    syncer: of every fragment). Until then it has weight 0 there: it neither pushes nor reports
+    to it. The other shards are not held up by one whose fragments are on their way."""
+    return all(fragments[p].version >= 0 for p in schedule.shard_of[q])
+
+
+def scheduled_at(schedule: Schedule, fragments: tuple[FragmentSync, ...], step: int) -> tuple[int, ...]:
+    """The fragments the schedule makes due at `step`, of those whose syncer (or shard) is served:
+    none while one of its fragments' versions is missing (`holds_shard_of`)."""
+    if not fragments:
+        return ()
+    return tuple(q for q in schedule.due.get(step % schedule.period, ()) if holds_shard_of(schedule, fragments, q))

@@ -1,0 +1,84 @@
+"""The hook's pure pieces on their own: the hold-back and in-flight pushes (learner.pushes), the wait
+behind a push and the chain of updates (learner.arrivals), the schedule (learner.schedule)."""
+
+import numpy as np
+
+from ddiloco.core import codec
+from ddiloco.learner import arrivals, pushes, schedule
+from ddiloco.learner.fragment import FragmentSync
+from ddiloco.net import session
+
+
+def flight(q, step, frag):
+    return pushes.InFlight(q, step, frag, [])
+
+
+def test_hold_back_counts_skips_until_the_limit():
+    frag = FragmentSync(version=3, base=np.zeros(4, np.float32))
+    state = pushes.sent(pushes.Pushes(last={}), flight(0, 1, frag), np.ones(4, np.float32))
+    fragments = (frag, FragmentSync(version=3))
+    for skips in range(2):
+        state, held = pushes.hold_back(state, (0, 1), fragments, skips_max=2)
+        assert held == (0,) and state.last[0].skips == skips + 1 and state.held == skips + 1
+    state, held = pushes.hold_back(state, (0, 1), fragments, skips_max=2)
+    assert held == () and state.held == 2
+    # a newer version held voids the last push; an error from the syncer ends the wait
+    assert not pushes.waits_on_push(state, 0, 4, skips_max=2)
+    assert pushes.refused(state, 5).last[0].skips == 5
+
+
+def test_take_keeps_the_order_started_and_forget_drops_a_session():
+    state = pushes.Pushes(last={})
+    for q, step in ((1, 1), (0, 1), (1, 2)):
+        state = pushes.started(state, flight(q, step, FragmentSync()))
+    rest, taken = pushes.take(state, 1)
+    assert [(f.fragment, f.step) for f in taken] == [(1, 1), (1, 2)] and [f.fragment for f in rest.in_flight] == [0]
+    assert pushes.forget(state, {1}).in_flight == (state.in_flight[1],)
+
+
+def test_an_increment_starts_at_the_last_push_from_the_same_version():
+    base, theta0, theta1 = (np.full(256, v, np.float32) for v in (0.0, 1.0, 3.0))
+    frag = FragmentSync(version=2, base=base)
+    first = pushes.encode_increment(pushes.Pushes(last={}), flight(0, 1, frag), theta0, None, "fp32", False, 64, False)
+    state = pushes.sent(pushes.Pushes(last={}), flight(0, 1, frag), theta0)
+    second = pushes.encode_increment(state, flight(0, 2, frag), theta1, None, "fp32", False, 64, False)
+    assert np.array_equal(codec.parse(first[0]).decode(), base - theta0)
+    assert np.array_equal(codec.parse(second[0]).decode(), theta0 - theta1)
+
+
+def test_defer_waits_behind_a_busy_fragment_at_most_the_limit():
+    chain = [object()]
+    ready, deferred = arrivals.defer({}, {0: chain, 1: chain}, busy={0})
+    assert ready == [(1, chain)] and deferred == {0: (chain, 1)}
+    for waited in range(2, arrivals.DEFER_CALLS_MAX + 1):
+        ready, deferred = arrivals.defer(deferred, {}, busy={0})
+        assert ready == [] and deferred == {0: (chain, waited)}
+    ready, deferred = arrivals.defer(deferred, {0: chain}, busy={0})
+    assert ready == [(0, chain + chain)] and deferred == {}
+
+
+def test_reach_applies_deltas_onto_exactly_the_version_held():
+    whole = np.arange(8, dtype=np.float32)
+    encode = lambda values: codec.parse(codec.encode(values, "fp32"))
+    frag = FragmentSync(version=-1)
+    chain = [
+        session.UpdateInfo(0, 5, encode(np.ones(8, np.float32)), base_version=4),  # onto nothing held: ignored
+        session.UpdateInfo(0, 4, encode(whole)),
+        session.UpdateInfo(0, 5, encode(np.ones(8, np.float32)), base_version=4),
+    ]
+    reached = arrivals.reach(frag, chain, parallel=False)
+    assert reached.version == 5 and np.array_equal(reached.published, whole + 1)
+    kept = arrivals.kept_progress(FragmentSync(4, whole, 3, 30), None, keep_progress=True, alpha=0.0)
+    assert kept is not None and (kept.steps, kept.tokens) == (3, 30)
+    new = arrivals.received(FragmentSync(4, whole, 3, 30), 5, reached.published, kept)
+    assert (new.version, new.steps, new.tokens, new.carried) == (5, 3, 30, 30)
+    assert arrivals.kept_progress(FragmentSync(4, whole, 3, 30), None, keep_progress=True, alpha=0.5) is None
+
+
+def test_schedule_serves_a_shard_once_its_fragments_are_held():
+    welcome = session.WelcomeInfo(1, {}, "ab" * 32, (0, 0, 0, 0), 0, False, period=2, offsets=(0, 1, 0, 1))
+    sched = schedule.schedule_of(welcome, 4)
+    held = (FragmentSync(version=0),) * 4
+    assert schedule.scheduled_at(sched, held, 2) == (0, 2) and schedule.scheduled_at(sched, held, 3) == (1, 3)
+    assert schedule.scheduled_at(sched, (FragmentSync(),) + held[1:], 2) == ()
+    assert schedule.scheduled_at(sched, (), 2) == ()
