@@ -99,12 +99,12 @@ class Kept(NamedTuple):
 
 def kept_progress(frag: FragmentSync, last: LastPush | None, keep_progress: bool, alpha: float) -> Kept | None:
     """The progress the fragment keeps over an arriving version: since this learner's last push
-    (`last`) from the version held (what that push carried is in the syncer's hands), else since that
-    version. None: overwrite (an alpha mix, or no version held yet). docs/algorithm.md, "Progress
-    carried over a merge"."""
+    from the version held (`last`, `pushes.last_from`: what that push carried is in the syncer's
+    hands), else since that version. None: overwrite (an alpha mix, or no version held yet).
+    docs/algorithm.md, "Progress carried over a merge"."""
     if not keep_progress or alpha or frag.base is None or frag.version < 0:
         return None
-    if last is not None and last.base == frag.version:
+    if last is not None:
         return Kept(last.theta, frag.steps - last.steps, frag.tokens - last.tokens)
     return Kept(frag.base, frag.steps, frag.tokens)
 

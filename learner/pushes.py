@@ -26,6 +26,7 @@ __all__ = [
     "forget",
     "given_up",
     "hold_back",
+    "last_from",
     "refused",
     "sent",
     "started",
@@ -40,7 +41,7 @@ __all__ = [
 # one learner compound (a single learner stepping in 1 ms under the default Nesterov 0.9 diverged).
 # Past this many skipped due steps, on a rejoin and after any error from the syncer the learner
 # pushes again: the increment since its last push, so nothing is counted twice (docs/protocol.md,
-# "A push is an increment"). Generous: a learner stepping in 1 ms with 4 fragments due every 4 steps
+# "One push from a base, and then an increment"). Generous: a learner stepping in 1 ms with 4 fragments due every 4 steps
 # meets its due steps faster than a loaded syncer's round trip.
 PUSH_SKIPS_MAX = 16
 PUSH_SKIPS_LIMIT = 1_000_000  # beyond, a push lost in transit would stall a fragment for good
@@ -79,11 +80,18 @@ class Pushes(NamedTuple):
     skipped: int = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
 
 
+def last_from(pushes: Pushes, q: int, version: int) -> LastPush | None:
+    """This learner's last push of fragment q if it was made from `version` (the version held), else
+    None: a push from an older version is in a version since, and void."""
+    last = pushes.last.get(q)
+    return last if last is not None and last.base == version else None
+
+
 def waits_on_push(pushes: Pushes, q: int, version: int, skips_max: int) -> bool:
     """Whether fragment q's due steps are skipped now: this learner's last push of q, from the
     version it holds (`version`), has not come back merged yet (PUSH_SKIPS_MAX)."""
-    last = pushes.last.get(q)
-    return last is not None and last.base == version and last.skips < skips_max
+    last = last_from(pushes, q, version)
+    return last is not None and last.skips < skips_max
 
 
 def hold_back(
@@ -104,8 +112,9 @@ def started(pushes: Pushes, flight: InFlight) -> Pushes:
 
 def take(pushes: Pushes, fragment: int | None = None) -> tuple[Pushes, tuple[InFlight, ...]]:
     """The pushes in flight (of `fragment` only, if given), in the order started, taken out."""
-    flights = tuple(f for f in pushes.in_flight if fragment is None or f.fragment == fragment)
-    return pushes._replace(in_flight=tuple(f for f in pushes.in_flight if f not in flights)), flights
+    chosen = lambda f: fragment is None or f.fragment == fragment  # noqa: E731
+    rest = tuple(f for f in pushes.in_flight if not chosen(f))
+    return pushes._replace(in_flight=rest), tuple(f for f in pushes.in_flight if chosen(f))
 
 
 def donated(flight: InFlight) -> bool:
@@ -129,9 +138,13 @@ def encode_increment(
 
     The progress since this learner's last push of the fragment from the same version (that one is
     in the syncer's hands), else since the version: each step's progress is pushed once."""
-    last = pushes.last.get(flight.fragment)
-    since = last.theta if last is not None and last.base == flight.frag.version else flight.frag.base
-    return _encode_delta(since - theta, feedback, codec_name, error_feedback, block, parallel)
+    last = last_from(pushes, flight.fragment, flight.frag.version)
+    delta = (flight.frag.base if last is None else last.theta) - theta
+    if not error_feedback:
+        return codec.encode(delta, codec_name, block, parallel=parallel), feedback
+    return codec.encode_with_feedback(
+        delta, feedback or codec.feedback_init(delta.size), codec_name, block, parallel=parallel
+    )
 
 
 def sent(pushes: Pushes, flight: InFlight, theta: np.ndarray) -> Pushes:
@@ -157,20 +170,4 @@ def forget(pushes: Pushes, fragments: Collection[int]) -> Pushes:
     return pushes._replace(
         in_flight=tuple(f for f in pushes.in_flight if f.fragment not in fragments),
         last={q: o for q, o in pushes.last.items() if q not in fragments},
-    )
-
-
-def _encode_delta(
-    delta: np.ndarray,
-    feedback: codec.FeedbackState | None,
-    codec_name: str,
-    error_feedback: bool,
-    block: int,
-    parallel: bool,
-) -> tuple[bytes, codec.FeedbackState | None]:
-    """An outer gradient as push bytes; with error feedback, also the residual it leaves for the next."""
-    if not error_feedback:
-        return codec.encode(delta, codec_name, block, parallel=parallel), feedback
-    return codec.encode_with_feedback(
-        delta, feedback or codec.feedback_init(delta.size), codec_name, block, parallel=parallel
     )

@@ -486,7 +486,8 @@ class DilocoSync:
             return params
         assert published is not None  # a newer version is reached only with its published copy
         tree = self._joined()[1]
-        kept = arrivals.kept_progress(frag, self._pushes.last.get(q), self.config.keep_progress, self.config.alpha)
+        last = pushes.last_from(self._pushes, q, frag.version)
+        kept = arrivals.kept_progress(frag, last, self.config.keep_progress, self.config.alpha)
         if kept is None:
             params = tree.scatter(params, q, published, self.config.alpha)
         else:

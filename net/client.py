@@ -436,8 +436,7 @@ class SyncerClient:
             # Progress goes ahead of bulk frames, except past a local state (a consistent snapshot,
             # net.snapshot): a report of a step after the learner's cut must not reach the syncer
             # before the state of the cut, or the snapshot would hold a message from after it.
-            barrier = sending_local_state or any(isinstance(i, session.LocalStateInfo) for _, i in self._bulk)
-            if self._progress and not barrier:
+            if self._progress and not (sending_local_state or self._local_state_queued()):
                 welcomes, item = self._progress.popleft()
                 if not self._current(welcomes):
                     continue
@@ -445,7 +444,7 @@ class SyncerClient:
             elif bulk_frames:
                 frames = [bulk_frames.popleft()]
                 sending_local_state = sending_local_state and bool(bulk_frames)
-            else:  # a barrier is a local state in the bulk: something is there
+            else:  # progress held back is behind a local state in the bulk: something is there
                 welcomes, item = self._bulk.popleft()
                 if not self._current(welcomes):
                     continue
@@ -460,6 +459,9 @@ class SyncerClient:
         for frame in session.bye_frames("stopping", next(self._ids), self.config.wire):
             await self._send(ws, frame)
         await ws.close()
+
+    def _local_state_queued(self) -> bool:
+        return any(isinstance(item, session.LocalStateInfo) for _, item in self._bulk)
 
     def _drain_left(self) -> float:
         return max(0.0, self._drain_until - asyncio.get_running_loop().time())
