@@ -78,6 +78,7 @@ def _learner_main(
     step_hz: float,
     seed: int,
     out,
+    stop=None,
 ) -> None:
     """One learner process: no training, just the protocol as fast as it goes. With several `urls`
     (the shards of one syncer, in shard order) it sends its progress to all of them and each push
@@ -112,7 +113,8 @@ def _learner_main(
         step, pushes = 0, 0
         pushed_from = [-2] * len(sizes)  # fragment -> the version its last push was made from
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        # `stop` (the sharded bench): run until the measured window ends; `seconds` is then a cap.
+        while time.monotonic() < end and not (stop is not None and stop.is_set()):
             for client in clients:
                 box = client.inbox
                 for p, chain in list(box.updates.items()):
@@ -381,9 +383,14 @@ def _sharded_ingest(config: SyncerBenchConfig, shards: int) -> dict:
     try:
         ports = dict(_await_events(events, "port", shards))
         urls = [f"ws://127.0.0.1:{ports[i]}/ws" for i in range(shards)]
-        args = (config.params, config.fragments, config.codec, config.seconds, config.step_hz)
+        # The learners push until the measured window (`config.seconds` from every shard's first
+        # merge) ends, however long the shards took to start and merge on a loaded machine.
+        learners_stop = ctx.Event()
+        args = (config.params, config.fragments, config.codec, SHARD_START_S_MAX + config.seconds, config.step_hz)
         learners = [
-            ctx.Process(target=_learner_main, args=(urls, f"bench{i}", *args, i, learner_out), daemon=True)
+            ctx.Process(
+                target=_learner_main, args=(urls, f"bench{i}", *args, i, learner_out, learners_stop), daemon=True
+            )
             for i in range(config.learners)
         ]
         for p in learners:
@@ -391,6 +398,9 @@ def _sharded_ingest(config: SyncerBenchConfig, shards: int) -> dict:
         _await_events(events, "merged", shards, alive=learners)
         start.set()
         t0 = time.perf_counter()
+        while any(p.is_alive() for p in learners) and time.perf_counter() - t0 < config.seconds:
+            time.sleep(0.1)
+        learners_stop.set()
         while any(p.is_alive() for p in learners):
             time.sleep(0.1)
         wall = time.perf_counter() - t0
