@@ -35,7 +35,15 @@ from __future__ import annotations
 import functools
 import os
 
-import numba
+# numba's OpenMP pool (its default threading layer where libgomp is present) spins its threads after
+# each parallel region, waiting for the next. On a host whose cores are shared (a syncer beside its
+# learners, a learner beside XLA's threads) that spinning is CPU taken from the others: `ddiloco
+# bench learner --synthetic-step-ms 2 --params 10M` measured the syncer at 4.8 ms of CPU per step
+# spinning, 1.9 ms passive. Passive threads sleep and are woken per region (tens of microseconds,
+# small beside a kernel worth the pool). Set before numba loads the pool; a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402 - after the wait policy, which the pool reads when it loads
 import numpy as np
 
 # Slices of the reductions' fixed cut: threads beyond this many sit out a sum of squares.
