@@ -3,8 +3,8 @@
 Two loops, each in this process against a real `ddiloco syncer` started as its own process on
 loopback. The reference loop (demo/learner_process.py: the byte transformer, inner AdamW, one data
 shard; `d_model` and `layers` size it). The synthetic loop (`synthetic_step_ms`): no model, an
-N-parameter pytree on JAX's default device that a cheap jitted op perturbs each step, then the step
-waits out the rest of `synthetic_step_ms` (sleeping, as a host does while its accelerator computes,
+N-parameter pytree on JAX's default device, one of whose tensors a cheap jitted op perturbs each step
+(each in turn), then the step waits out the rest of `synthetic_step_ms` (sleeping, as a host does while its accelerator computes,
 or spinning, as a CPU-bound step does): it shows the hook's cost at a model size and step time this
 machine could not train at. The same loop is timed with `params = sync.step(params, tokens=n)` after
 every step and without it, in alternating blocks so that a change in the machine's load falls on both
@@ -162,13 +162,21 @@ def _synthetic_loop(cfg: LearnerBenchConfig) -> _Loop:
         f"block{i:03d}": {"w": 0.02 * jax.random.normal(k, (n,), jnp.float32)}
         for i, (k, n) in enumerate(zip(keys, sizes))
     }
-    # Cheap, and it moves every parameter, so each push carries a real outer gradient.
-    perturb = jax.jit(lambda p: jax.tree.map(lambda x: x * (1 - 1e-4) + 1e-4, p))
+    # One tensor per step, in turn: every parameter moves within 2 x fragments steps (well inside a
+    # period), so each push carries a real outer gradient, while the step's own compute stays small
+    # beside its time, as on an accelerator, where the host waits while the device computes. Moving
+    # all of a 10M pytree every step would be a memory-bound CPU step of its own (80 MB of traffic),
+    # and the bench would time that instead of the hook.
+    names = sorted(params)
+    perturb = jax.jit(lambda x: x * (1 - 1e-4) + 1e-4)
     step_s = cfg.synthetic_step_ms / 1000
+    turn = 0
 
     def advance(params: Any) -> Any:
+        nonlocal turn
         t0 = time.perf_counter()
-        params = jax.block_until_ready(perturb(params))
+        name, turn = names[turn % len(names)], turn + 1
+        params = {**params, name: {"w": jax.block_until_ready(perturb(params[name]["w"]))}}
         end = t0 + step_s
         if cfg.synthetic_wait == "sleep":
             left = end - time.perf_counter()
