@@ -7,18 +7,29 @@ Pure functions over values; the hook (learner.sync) puts what they decide into t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import NamedTuple
 
 import numpy as np
 
-from ddiloco.core import codec
 from ddiloco.core import publish as publishing
 from ddiloco.learner.fragment import FragmentSync
 from ddiloco.learner.pushes import LastPush
 from ddiloco.net import session
 
-__all__ = ["DEFER_CALLS_MAX", "Deferred", "Kept", "Reached", "defer", "forget", "kept_progress", "reach", "received"]
+__all__ = [
+    "DEFER_CALLS_MAX",
+    "Deferred",
+    "Kept",
+    "Prefetched",
+    "Reached",
+    "apply_update",
+    "defer",
+    "forget",
+    "kept_progress",
+    "reach",
+    "received",
+]
 
 # The most calls an arrived version waits behind a push of its fragment (`defer`).
 DEFER_CALLS_MAX = 2
@@ -65,16 +76,31 @@ class Reached(NamedTuple):
     published: np.ndarray | None
 
 
-def reach(frag: FragmentSync, chain: list[session.UpdateInfo], parallel: bool) -> Reached:
+# (an update, the published copy it applies onto or None for a whole copy) -> the published copy it
+# makes, where it was computed beforehand (learner.background), else None
+Prefetched = Callable[[session.UpdateInfo, "np.ndarray | None"], "np.ndarray | None"]
+
+
+def _none_prefetched(update: session.UpdateInfo, onto: np.ndarray | None) -> None:
+    return None
+
+
+def reach(
+    frag: FragmentSync,
+    chain: list[session.UpdateInfo],
+    parallel: bool,
+    prefetched: Prefetched = _none_prefetched,
+) -> Reached:
     """The updates of a fragment that arrived, in order: each delta onto the published copy of
     exactly its base version (else ignored: a whole copy follows, docs/protocol.md "Delta
-    broadcast"), a whole copy as it is."""
+    broadcast"), a whole copy as it is. `prefetched` hands over what was computed beforehand."""
     version, published = frag.version, frag.published
     for update in chain:
         if update.whole:
             if update.version < version or (update.version == version and published is not None):
                 continue
-            published = _decode(update.encoded, parallel)
+            ready = prefetched(update, None)
+            published = ready if ready is not None else apply_update(None, update, parallel)
             if update.version == version:
                 # The version held came from a peer or a snapshot: its base stays (this learner's
                 # outer gradient holds its own progress only); the published copy is the syncer's.
@@ -83,7 +109,8 @@ def reach(frag: FragmentSync, chain: list[session.UpdateInfo], parallel: bool) -
         else:
             if published is None or update.base_version != version:
                 continue
-            published = _apply_delta(published, update.encoded, parallel)
+            ready = prefetched(update, published)
+            published = ready if ready is not None else apply_update(published, update, parallel)
         version = update.version
     return Reached(frag, version, published)
 
@@ -116,15 +143,12 @@ def received(frag: FragmentSync, version: int, published: np.ndarray, kept: Kept
     return new if kept is None else new._replace(steps=kept.steps, tokens=kept.tokens, carried=kept.tokens)
 
 
-# The codec calls of the arrival side, one small helper each.
-
-
-def _decode(encoded: codec.Encoded, parallel: bool) -> np.ndarray:
-    return encoded.decode(parallel=parallel)
-
-
-def _apply_delta(published: np.ndarray, delta: codec.Encoded, parallel: bool) -> np.ndarray:
-    """A new array: published + decode(delta), the bits the syncer's published copy has."""
-    out = published.copy()
-    publishing.apply(out, delta, parallel=parallel)
+def apply_update(onto: np.ndarray | None, update: session.UpdateInfo, parallel: bool) -> np.ndarray:
+    """The published copy `update` makes, as a new array: a whole copy decoded, or onto + the
+    decoded delta (the bits the syncer's published copy has); `onto` is None for a whole copy."""
+    if update.whole:
+        return update.encoded.decode(parallel=parallel)
+    assert onto is not None, "a delta applies onto a published copy"
+    out = onto.copy()
+    publishing.apply(out, update.encoded, parallel=parallel)
     return out

@@ -8,7 +8,7 @@ around them: starting and finishing the host copies, the transport, the tape.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -68,6 +68,9 @@ class InFlight(NamedTuple):
     step: int
     frag: FragmentSync
     leaves: list
+    # The push's host work started on the hook's background thread (learner.background.Encoding),
+    # or None: done at the send.
+    job: Any = None
 
 
 class Pushes(NamedTuple):

@@ -36,7 +36,7 @@ from ddiloco.core import publish as publishing
 from ddiloco.core.events import Push
 from ddiloco.core.layout import Layout, TensorSpec, layout_from_description
 from ddiloco.errors import UserError
-from ddiloco.learner import arrivals, local_state, pushes, recovery
+from ddiloco.learner import arrivals, background, local_state, pushes, recovery
 from ddiloco.learner import schedule as scheduling
 from ddiloco.learner.fragment import FragmentSync, progress_report, replaced
 from ddiloco.learner.pushes import PUSH_SKIPS_LIMIT, PUSH_SKIPS_MAX
@@ -107,6 +107,11 @@ class SyncConfig:
     # Codec kernels on the training thread only, never numba's thread pool (each call passes
     # parallel=False): the cores are the training step's.
     serial_kernels: bool = True
+    # The host work of pushes (the copy's wait, the increment, its quantisation) and of arriving
+    # versions (the delta onto the published copy, less the kept progress's anchor) on the hook's
+    # background thread while the training steps run (learner.background); False: on the training
+    # thread. The pushes and parameters are the same bits either way.
+    background: bool = True
     urls: tuple[str, ...] = field(init=False)  # from `url`, one per shard
 
     def __post_init__(self) -> None:
@@ -175,6 +180,7 @@ class DilocoSync:
         self._schedule = scheduling.Schedule()
         self._pushes = pushes.Pushes(last={})
         self._deferred: arrivals.Deferred = {}  # arrived versions waiting behind a push (arrivals.defer)
+        self._background = background.Background()  # host work off the training thread (SyncConfig.background)
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -208,6 +214,9 @@ class DilocoSync:
             raise RuntimeError("this hook was closed: a learner that leaves joins again with a new DilocoSync")
         try:
             client = self.client if self.client is not None else self._start_client()
+            watch = getattr(client, "watch_updates", None)  # a network client; replays tell nothing
+            if watch is not None and self.config.background:
+                watch(self._background.offer)
             welcome = client.wait_welcome(self.config.welcome_timeout_s)
             if welcome.shards > 1 and welcome.init_shards is None:
                 # One shard's welcome, not every shard's: the other fragments would never arrive.
@@ -294,6 +303,8 @@ class DilocoSync:
             client.init(q, payload)
             fragments[q] = FragmentSync().received(0, values, values)  # the syncer publishes version 0 as sent
         self.fragments = tuple(fragments)
+        for q in asked:
+            self._tell_background(q)
         log.info("learner %d sent the initial parameters (version 0) of fragments %s", self.learner_id, list(asked))
 
     def _rejoin(self, params: Any, welcome: session.WelcomeInfo) -> None:
@@ -310,6 +321,7 @@ class DilocoSync:
         self.fragments = tuple(FragmentSync() if q in reset else f for q, f in enumerate(self.fragments))
         # What was under way for those fragments belongs to the old session.
         self._pushes = pushes.forget(self._pushes, reset)
+        self._background.forget(reset)
         self._deferred = arrivals.forget(self._deferred, reset)
         self._schedule = scheduling.rescheduled(self._schedule, welcome, len(self.fragments))
         if welcome.needs_init:
@@ -369,6 +381,8 @@ class DilocoSync:
         fragments = local_state.fragments_of(snap, sync_meta, versions, layout.num_fragments)
         self.step_count = step
         self.fragments = fragments
+        for q in range(layout.num_fragments):
+            self._tell_background(q)
         self.recovered_from = "snapshot"
         log.info("restored step %d and versions %s from a snapshot's local state", step, list(versions))
         return params, opt_state
@@ -441,8 +455,7 @@ class DilocoSync:
         # progress made since the version held.
         self._pushes, held = pushes.hold_back(self._pushes, scheduled, self.fragments, self.config.push_skips_max)
         for q in (q for q in scheduled if q not in held):
-            flight = pushes.InFlight(q, self.step_count, self.fragments[q], tree.start_gather(params, q))
-            self._pushes = pushes.started(self._pushes, flight)
+            self._pushes = pushes.started(self._pushes, self._start_push(params, q))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
         if any(scheduling.holds_shard_of(self._schedule, self.fragments, q) for q in range(len(self.fragments))):
@@ -480,7 +493,10 @@ class DilocoSync:
     def _apply(self, params: Any, q: int, chain: list[session.UpdateInfo]) -> Any:
         """The updates of fragment q that arrived, in order (`arrivals.reach`); the newest version
         reached goes into the parameters once."""
-        frag, version, published = arrivals.reach(self.fragments[q], chain, self.parallel_kernels)
+        frag, version, published = arrivals.reach(
+            self.fragments[q], chain, self.parallel_kernels, self._background.published
+        )
+        self._background.taken(chain)
         if version == frag.version:
             self.fragments = replaced(self.fragments, q, frag)
             return params
@@ -493,10 +509,41 @@ class DilocoSync:
         else:
             # The new version plus what this learner trained since its last push (or since the version
             # it held, when none is outstanding): published + (theta - anchor), added on the devices.
-            params = tree.add(params, q, published - kept.anchor)
+            difference = self._background.difference(published, kept.anchor)
+            params = tree.add(params, q, published - kept.anchor if difference is None else difference)
         self.fragments = replaced(self.fragments, q, arrivals.received(frag, version, published, kept))
         self.merged_versions_applied += 1
+        self._tell_background(q)
         return params
+
+    def _tell_background(self, q: int) -> None:
+        """What the next version of fragment q applies onto, for the background thread: the
+        published copy held and the anchor of the progress kept over it."""
+        frag = self.fragments[q]
+        if frag.published is None or not self.config.background:
+            return
+        last = pushes.last_from(self._pushes, q, frag.version)
+        kept = arrivals.kept_progress(frag, last, self.config.keep_progress, self.config.alpha)
+        self._background.holds(q, frag.version, frag.published, None if kept is None else kept.anchor)
+
+    def _start_push(self, params: Any, q: int) -> pushes.InFlight:
+        """Fragment q's push, started: its copy to the host, and its host work on the background
+        thread (SyncConfig.background)."""
+        _, tree, layout = self._joined()
+        flight = pushes.InFlight(q, self.step_count, self.fragments[q], tree.start_gather(params, q))
+        if not self.config.background:
+            return flight
+        config = self.config
+        job = self._background.encode(
+            tree.finish_gather,
+            self._pushes,
+            flight,
+            self.fragments[q].feedback,
+            config.codec,
+            config.error_feedback,
+            layout.block,
+        )
+        return flight._replace(job=job)
 
     def _send_in_flight(self, fragment: int | None = None) -> tuple[int, ...]:
         """Encode and send the pushes whose host copies were started (of `fragment` only, if given),
@@ -507,7 +554,7 @@ class DilocoSync:
         return tuple(f.fragment for f in flights)
 
     def _push(self, flight: pushes.InFlight) -> None:
-        client, tree, layout = self._joined()
+        client = self._joined()[0]
         q, frag = flight.fragment, flight.frag
         if pushes.donated(flight):
             # A training step that donates its parameters freed them before the copy was read: this
@@ -515,18 +562,7 @@ class DilocoSync:
             self._pushes = pushes.given_up(self._pushes)
             log.warning("push of fragment %d at step %d skipped: its parameters were donated", q, flight.step)
             return
-        theta = tree.finish_gather(q, flight.leaves)
-        config = self.config
-        payload, feedback = pushes.encode_increment(
-            self._pushes,
-            flight,
-            theta,
-            self.fragments[q].feedback,
-            config.codec,
-            config.error_feedback,
-            layout.block,
-            self.parallel_kernels,
-        )
+        theta, payload, feedback = self._encoded(flight)
         # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
         # the hook knows it (the syncer takes the sender from the connection, not from the push).
         push = Push(self.learner_id, q, flight.step, frag.version, frag.steps, frag.tokens, codec.parse(payload))
@@ -535,8 +571,31 @@ class DilocoSync:
         if client.push(push) is not False:  # a transport that returns nothing sent it
             self.fragments = replaced(self.fragments, q, self.fragments[q]._replace(feedback=feedback))
             self._pushes = pushes.sent(self._pushes, flight, theta)
+            self._tell_background(q)  # the progress kept over the next version now starts at theta
         elif self.tape is not None:  # not sent: the next push starts from where this one did
             self.tape.dropped(self.calls, q)
+
+    def _encoded(self, flight: pushes.InFlight) -> background.Encoded:
+        """The push's host copy and bytes: the background thread's, where its inputs still hold (they
+        do unless the hook has a bug; see learner.background), else computed here."""
+        _, tree, layout = self._joined()
+        q, config = flight.fragment, self.config
+        feedback = self.fragments[q].feedback
+        last = pushes.last_from(self._pushes, q, flight.frag.version)
+        if flight.job is not None and flight.job.still_valid(last, feedback):
+            return flight.job.result()
+        theta = tree.finish_gather(q, flight.leaves)
+        payload, left = pushes.encode_increment(
+            self._pushes,
+            flight,
+            theta,
+            feedback,
+            config.codec,
+            config.error_feedback,
+            layout.block,
+            self.parallel_kernels,
+        )
+        return background.Encoded(theta, payload, left)
 
     # ---- state out -----------------------------------------------------------------------------------
 
@@ -572,6 +631,7 @@ class DilocoSync:
             if self.client is not None:
                 self.client.close()
         finally:
+            self._background.close()
             if self.peer_server is not None:
                 self.peer_server.close()
 

@@ -158,6 +158,9 @@ class SyncerClient:
         self._rng = rng or random.Random(0)  # jitter of the backoff only
         self._lost_at: float | None = None  # on the loop's clock: when a welcomed connection was lost
         self.last_error: str | None = None
+        # Told of each fragment update as it lands in the inbox, on the loop's thread (it must not
+        # block): the hook starts decoding it before the training loop takes it (learner.background).
+        self.on_update: Callable[[session.UpdateInfo], None] | None = None
         self._behind: int | None = None  # a fragment whose update chain overflowed (UpdatesBehind)
         self.bytes_out = 0
         self.pushes_dropped = 0  # pushes refused for a full queue (the next push of the fragment carries their tokens)
@@ -409,6 +412,8 @@ class SyncerClient:
                 self._behind = item.fragment
                 return
             chain.append(item)
+            if self.on_update is not None:
+                self.on_update(item)
         elif isinstance(item, session.MarkerInfo):
             self.inbox.markers.append(item.snapshot)
         elif isinstance(item, session.ErrorInfo):
@@ -642,6 +647,12 @@ class ThreadedClient:
         self._loop.call_soon_threadsafe(
             self._client.queue_local_state, session.LocalStateInfo(snapshot, data), self._welcomes_seen
         )
+
+    def watch_updates(self, on_update: Callable[[session.UpdateInfo], None]) -> None:
+        """Have `on_update` called with each fragment update as it arrives, on the client's thread,
+        before the training loop takes it (`take`); it must return at once."""
+        assert self._client is not None  # made before the constructor returned
+        self._client.on_update = on_update
 
     def take_markers(self) -> list[int]:
         """Snapshot markers (net.snapshot) that the last `take` collected, each given out once."""

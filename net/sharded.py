@@ -253,6 +253,11 @@ class ShardedClient:
         if self._current(link):
             link.client.init(fragment, payload)
 
+    def watch_updates(self, on_update: Callable[[session.UpdateInfo], None]) -> None:
+        """Every shard's client calls `on_update` with each update as it arrives (ThreadedClient)."""
+        for link in self._links:
+            link.client.watch_updates(on_update)
+
     def take_markers(self) -> list[int]:
         ours = []
         for link in self._by_shard:

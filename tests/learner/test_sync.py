@@ -1,6 +1,7 @@
 """The learner hook with a real syncer on 127.0.0.1: JAX pytrees in, fragments over real sockets."""
 
 import logging
+import threading
 import time
 import traceback
 import urllib.error
@@ -114,11 +115,12 @@ def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threade
         while s.server.state.merges < 2 and time.monotonic() < deadline:
             train([a], 4)
         assert s.server.state.merges >= 2
-        waits = []
+        waits, elsewhere = [], []  # calls on the training thread; on the hook's background thread
+        training = threading.current_thread()
 
         def counting(fn, name):
             def counted(*args, **kwargs):
-                waits.append(name)
+                (waits if threading.current_thread() is training else elsewhere).append(name)
                 return fn(*args, **kwargs)
 
             return counted
@@ -141,6 +143,8 @@ def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threade
             time.sleep(0.005)
         assert quiet >= 8 and due >= 4
         assert waits.count("start_gather") >= 4 and "block_until_ready" not in waits
+        # the copies were collected, and the pushes encoded, off the training thread
+        assert "device_get" not in waits and elsewhere.count("device_get") >= 4
         sync.close()
         assert not sync.pushes_in_flight
         s.server.state.ledger.check()

@@ -1,0 +1,227 @@
+"""The hook's one background thread: the host work of pushes and arrivals, done while the training
+step runs.
+
+At the step where fragment p is due, the hook starts the device-to-host copy of p's leaves and hands
+this thread the rest of the push: waiting for the copy, the increment over the last push and its
+quantisation (`pushes.encode_increment`). The next call takes the result and sends it. The training
+thread then spends the step's device time (or, on a CPU learner, the other core) instead of its own.
+
+The result is the same bytes the training thread would have computed at the next call: the job's
+inputs (the copied leaves, the last push of p from the version held, p's error-feedback residual)
+cannot change between the two calls, since only sending a push of p or applying a version of p
+changes them, and the hook sends p's push before either. The hook checks that at the send
+(`Encoding.still_valid`) and computes the push itself where it does not hold, so a replay or a
+simulation on a virtual clock gets the same pushes at the same calls with or without this thread.
+
+Arrivals: the client tells this thread of each fragment update as it lands (`offer`, on the
+client's thread), and the thread applies it onto the published copy the fragment will hold by then
+(the copy the hook last held, or the one the thread made from the update before) and subtracts the
+anchor of the progress kept over it (arrivals.kept_progress). When the hook takes the update, it uses
+that result if it was computed from the very arrays the hook holds (`published`, `difference`),
+and computes it itself otherwise: the parameters are the same bits either way, and a transport that
+tells nothing (a replay, a simulation) takes the second way every time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ddiloco.core import codec
+from ddiloco.learner import arrivals, pushes
+from ddiloco.net import session
+
+__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding"]
+
+# Updates of one fragment decoded ahead and not taken yet, at most: past it the oldest is dropped
+# (the hook then decodes it itself). Each holds two fragment-sized arrays; a loop that takes its
+# updates every step finds one at a time.
+DECODED_MAX = 1
+
+
+class _Decoded(NamedTuple):
+    update: session.UpdateInfo
+    onto: np.ndarray | None  # the published copy the delta went onto; None: a whole copy
+    published: np.ndarray
+    anchor: np.ndarray | None  # what was subtracted (None: nothing)
+    difference: np.ndarray | None  # published - anchor
+
+
+class Encoded(NamedTuple):
+    """A push's host work, done: the host copy of the fragment and the push's bytes, with the
+    error-feedback residual it leaves."""
+
+    theta: np.ndarray
+    payload: bytes
+    feedback: codec.FeedbackState | None
+
+
+class Encoding(NamedTuple):
+    """A push's host work under way, with the inputs it was started from (compared by identity at
+    the send: the state values are replaced, never changed in place)."""
+
+    future: Future
+    last: pushes.LastPush | None
+    feedback: codec.FeedbackState | None
+
+    def still_valid(self, last: pushes.LastPush | None, feedback: codec.FeedbackState | None) -> bool:
+        """Whether the push's inputs are still these: the increment's base (the last push's host
+        copy; its skip count may have changed) and the residual."""
+        same_last = last is self.last or (last is not None and self.last is not None and last.theta is self.last.theta)
+        return same_last and feedback is self.feedback
+
+    def result(self) -> Encoded:
+        """Waits for the job; re-raises what it raised."""
+        return self.future.result()
+
+
+class Background:
+    """One worker thread, started at the first job; jobs run in the order submitted."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the pool's start and stop, and the two maps below
+        self._closed = False
+        # fragment -> (version, its published copy, the anchor of the progress kept over the next):
+        # what the next delta of the fragment applies onto
+        self._onto: dict[int, tuple[int, np.ndarray, np.ndarray | None]] = {}
+        self._decoded: OrderedDict[int, _Decoded] = OrderedDict()  # id(update) -> its result
+        self._pending: dict[int, tuple[session.UpdateInfo, Future]] = {}  # id(update) -> its job, not done
+
+    def _submit(self, job: Any) -> Future | None:
+        with self._lock:
+            if self._closed:
+                return None
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-sync")
+            return self._pool.submit(job)
+
+    def encode(
+        self,
+        finish_gather: Any,
+        state: pushes.Pushes,
+        flight: pushes.InFlight,
+        feedback: codec.FeedbackState | None,
+        codec_name: str,
+        error_feedback: bool,
+        block: int,
+    ) -> Encoding:
+        """Start `flight`'s host work: `finish_gather(fragment, leaves)` then the increment's encoding,
+        on one thread (serial kernels: the worker is one thread beside the training step)."""
+
+        def job() -> Encoded:
+            theta = finish_gather(flight.fragment, flight.leaves)
+            payload, left = pushes.encode_increment(
+                state, flight, theta, feedback, codec_name, error_feedback, block, False
+            )
+            return Encoded(theta, payload, left)
+
+        last = pushes.last_from(state, flight.fragment, flight.frag.version)
+        future = self._submit(job)
+        if future is None:  # closed: done at the send, as without this thread
+            future = Future()
+            future.set_result(job())
+        return Encoding(future, last, feedback)
+
+    # ---- arrivals ----------------------------------------------------------------------------------
+
+    def holds(self, q: int, version: int, published: np.ndarray, anchor: np.ndarray | None) -> None:
+        """The hook holds `version` of fragment q with this published copy, and keeps the progress
+        since `anchor` over the next version (None: overwrites). Where this thread has decoded a
+        later version onto this very copy already, it goes on from there, with the new anchor."""
+        with self._lock:
+            known = self._onto.get(q)
+            if known is not None and known[0] > version and self._descends(q, published):
+                self._onto[q] = (known[0], known[1], anchor)
+            else:
+                self._onto[q] = (version, published, anchor)
+
+    def _descends(self, q: int, published: np.ndarray) -> bool:
+        """Whether a decoded update of q waiting to be taken went onto `published` (this thread is
+        ahead of the hook on the same arrays). Called with the lock held."""
+        return any(d.update.fragment == q and d.onto is published for d in self._decoded.values())
+
+    def offer(self, update: session.UpdateInfo) -> None:
+        """An update of a fragment arrived (called on the client's thread): decode it here."""
+        future = self._submit(lambda: self._decode(update))
+        if future is not None:
+            with self._lock:
+                if not future.done():
+                    self._pending[id(update)] = (update, future)
+
+    def _decode(self, update: session.UpdateInfo) -> None:
+        q = update.fragment
+        try:
+            self._decode_onto(update, q)
+        finally:
+            with self._lock:
+                self._pending.pop(id(update), None)
+
+    def _decode_onto(self, update: session.UpdateInfo, q: int) -> None:
+        with self._lock:
+            known = self._onto.get(q)
+        if update.whole:
+            onto = None
+        elif known is not None and known[0] == update.base_version:
+            onto = known[1]
+        else:
+            return  # not onto what the hook will hold: it decodes the update itself
+        anchor = known[2] if known is not None else None
+        published = arrivals.apply_update(onto, update, False)
+        difference = None if anchor is None else published - anchor
+        with self._lock:
+            self._onto[q] = (update.version, published, anchor)
+            self._decoded[id(update)] = _Decoded(update, onto, published, anchor, difference)
+            mine = [k for k, d in self._decoded.items() if d.update.fragment == q]
+            for key in mine[: max(0, len(mine) - DECODED_MAX)]:
+                del self._decoded[key]
+
+    def published(self, update: session.UpdateInfo, onto: np.ndarray | None) -> np.ndarray | None:
+        """The published copy `update` makes onto `onto` (None: a whole copy), if this thread made
+        it from that very array, else None (arrivals.Prefetched). Waits for it where this thread is
+        at it: the same bits, and the work is not done twice."""
+        with self._lock:
+            pending = self._pending.get(id(update))
+        if pending is not None and pending[0] is update:
+            pending[1].result()
+        with self._lock:
+            d = self._decoded.get(id(update))
+        if d is None or d.update is not update or d.onto is not onto:
+            return None
+        return d.published
+
+    def difference(self, published: np.ndarray, anchor: np.ndarray) -> np.ndarray | None:
+        """published - anchor, if this thread computed it for these very arrays, else None."""
+        with self._lock:
+            for d in self._decoded.values():
+                if d.published is published and d.anchor is anchor:
+                    return d.difference
+        return None
+
+    def taken(self, updates: Collection[session.UpdateInfo]) -> None:
+        """The hook took these updates: what was decoded of them is no longer wanted."""
+        with self._lock:
+            for update in updates:
+                self._decoded.pop(id(update), None)
+
+    def forget(self, fragments: Collection[int]) -> None:
+        """`fragments` start a new session: what this thread knows of them belongs to the old one."""
+        with self._lock:
+            for q in fragments:
+                self._onto.pop(q, None)
+            for key in [k for k, d in self._decoded.items() if d.update.fragment in fragments]:
+                del self._decoded[key]
+            for key in [k for k, (u, _) in self._pending.items() if u.fragment in fragments]:
+                del self._pending[key]
+
+    def close(self) -> None:
+        """Waits for the jobs under way (their results are no longer wanted) and stops the thread."""
+        with self._lock:
+            self._closed, pool, self._pool = True, self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
