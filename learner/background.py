@@ -36,7 +36,7 @@ from ddiloco.core import codec
 from ddiloco.learner import arrivals, pushes
 from ddiloco.net import session
 
-__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding"]
+__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "encode_push"]
 
 # Updates of one fragment decoded ahead and not taken yet, at most: past it the oldest is dropped
 # (the hook then decodes it itself). Each holds two fragment-sized arrays; a loop that takes its
@@ -59,6 +59,23 @@ class Encoded(NamedTuple):
     theta: np.ndarray
     payload: bytes
     feedback: codec.FeedbackState | None
+
+
+def encode_push(
+    finish_gather: Any,
+    state: pushes.Pushes,
+    flight: pushes.InFlight,
+    feedback: codec.FeedbackState | None,
+    codec_name: str,
+    error_feedback: bool,
+    block: int,
+    parallel: bool,
+) -> Encoded:
+    """A push's host work, on whichever thread calls it: `finish_gather(fragment, leaves)`, then the
+    increment over the last push (`pushes.encode_increment`)."""
+    theta = finish_gather(flight.fragment, flight.leaves)
+    payload, left = pushes.encode_increment(state, flight, theta, feedback, codec_name, error_feedback, block, parallel)
+    return Encoded(theta, payload, left)
 
 
 class Encoding(NamedTuple):
@@ -93,13 +110,18 @@ class Background:
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()  # id(update) -> its result
         self._pending: dict[int, tuple[session.UpdateInfo, Future]] = {}  # id(update) -> its job, not done
 
-    def _submit(self, job: Any) -> Future | None:
+    def _submit(self, job: Any, update: session.UpdateInfo | None = None) -> Future | None:
+        """Queue `job` (None once closed); a decode of `update` is registered as pending in the same
+        hold of the lock, so that the job's own removal of it cannot come first."""
         with self._lock:
             if self._closed:
                 return None
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-sync")
-            return self._pool.submit(job)
+            future = self._pool.submit(job)
+            if update is not None:
+                self._pending[id(update)] = (update, future)
+            return future
 
     def encode(
         self,
@@ -115,11 +137,7 @@ class Background:
         on one thread (serial kernels: the worker is one thread beside the training step)."""
 
         def job() -> Encoded:
-            theta = finish_gather(flight.fragment, flight.leaves)
-            payload, left = pushes.encode_increment(
-                state, flight, theta, feedback, codec_name, error_feedback, block, False
-            )
-            return Encoded(theta, payload, left)
+            return encode_push(finish_gather, state, flight, feedback, codec_name, error_feedback, block, False)
 
         last = pushes.last_from(state, flight.fragment, flight.frag.version)
         future = self._submit(job)
@@ -148,11 +166,7 @@ class Background:
 
     def offer(self, update: session.UpdateInfo) -> None:
         """An update of a fragment arrived (called on the client's thread): decode it here."""
-        future = self._submit(lambda: self._decode(update))
-        if future is not None:
-            with self._lock:
-                if not future.done():
-                    self._pending[id(update)] = (update, future)
+        self._submit(lambda: self._decode(update), update)
 
     def _decode(self, update: session.UpdateInfo) -> None:
         q = update.fragment

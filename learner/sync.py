@@ -496,8 +496,8 @@ class DilocoSync:
         frag, version, published = arrivals.reach(
             self.fragments[q], chain, self.parallel_kernels, self._background.published
         )
-        self._background.taken(chain)
         if version == frag.version:
+            self._background.taken(chain)
             self.fragments = replaced(self.fragments, q, frag)
             return params
         assert published is not None  # a newer version is reached only with its published copy
@@ -511,6 +511,7 @@ class DilocoSync:
             # it held, when none is outstanding): published + (theta - anchor), added on the devices.
             difference = self._background.difference(published, kept.anchor)
             params = tree.add(params, q, published - kept.anchor if difference is None else difference)
+        self._background.taken(chain)  # after `difference`, which looks among what it holds
         self.fragments = replaced(self.fragments, q, arrivals.received(frag, version, published, kept))
         self.merged_versions_applied += 1
         self._tell_background(q)
@@ -584,18 +585,16 @@ class DilocoSync:
         last = pushes.last_from(self._pushes, q, flight.frag.version)
         if flight.job is not None and flight.job.still_valid(last, feedback):
             return flight.job.result()
-        theta = tree.finish_gather(q, flight.leaves)
-        payload, left = pushes.encode_increment(
+        return background.encode_push(
+            tree.finish_gather,
             self._pushes,
             flight,
-            theta,
             feedback,
             config.codec,
             config.error_feedback,
             layout.block,
             self.parallel_kernels,
         )
-        return background.Encoded(theta, payload, left)
 
     # ---- state out -----------------------------------------------------------------------------------
 
