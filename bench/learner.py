@@ -324,6 +324,9 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         "busy_step_hook_us": _median_or_none(hook_us[True]),
         "idle_steps": len(hook_us[False]),
         "busy_steps": len(hook_us[True]),
+        # the hook's own time per hooked step, on average: what of the overhead is the call itself
+        # (the rest is the step waiting for the devices' share of the hook, and the cores it shares)
+        "hook_mean_per_step_us": statistics.fmean(hook_us[False] + hook_us[True]),
         "merged_share": _merged_share(ledger),
         "ledger": ledger,
         # CPU time per step, all threads (XLA's, the client's): steadier than wall time when the
@@ -421,7 +424,8 @@ def format_report(r: dict) -> str:
             "hook per call",
             (
                 f"median {_us(r['idle_step_hook_us'])} on {r['idle_steps']} steps with nothing to push or apply, "
-                f"{_us(r['busy_step_hook_us'])} on {r['busy_steps']} steps that pushed or applied a fragment"
+                f"{_us(r['busy_step_hook_us'])} on {r['busy_steps']} steps that pushed or applied a fragment; "
+                f"mean {_us(r['hook_mean_per_step_us'])} per step"
             ),
         ),
         (

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -36,12 +36,17 @@ from ddiloco.core import codec
 from ddiloco.learner import arrivals, pushes
 from ddiloco.net import session
 
-__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "encode_push"]
+__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "Prepared", "encode_push"]
 
 # Updates of one fragment decoded ahead and not taken yet, at most: past it the oldest is dropped
-# (the hook then decodes it itself). Each holds two fragment-sized arrays; a loop that takes its
-# updates every step finds one at a time.
+# (the hook then decodes it itself). Each holds two fragment-sized host arrays and, where the hook
+# told where the fragment's leaves live, the difference placed there (one fragment on its devices);
+# a loop that takes its updates every step finds one at a time.
 DECODED_MAX = 1
+
+# (the difference, float32[padded]) -> it cut into the fragment's leaves and put on their devices
+# (learner.tree.TreeFragments.place, bound to a fragment and its placement)
+Place = Callable[[np.ndarray], list]
 
 
 class _Decoded(NamedTuple):
@@ -50,14 +55,24 @@ class _Decoded(NamedTuple):
     published: np.ndarray
     anchor: np.ndarray | None  # what was subtracted (None: nothing)
     difference: np.ndarray | None  # published - anchor
+    placed: list | None  # the difference on the leaves' devices (None: not placed)
+
+
+class Prepared(NamedTuple):
+    """What the hook adds to a fragment for an arrived version: published - anchor, and the same
+    already put where the fragment's leaves were when the hook last told (None: not placed; the
+    hook checks the place before using it, learner.tree.TreeFragments.fits)."""
+
+    difference: np.ndarray
+    placed: list | None
 
 
 class Encoded(NamedTuple):
-    """A push's host work, done: the host copy of the fragment and the push's bytes, with the
-    error-feedback residual it leaves."""
+    """A push's host work, done: the host copy of the fragment and the push's payload (parsed: views
+    into its bytes), with the error-feedback residual it leaves."""
 
     theta: np.ndarray
-    payload: bytes
+    payload: codec.Encoded
     feedback: codec.FeedbackState | None
 
 
@@ -72,10 +87,10 @@ def encode_push(
     parallel: bool,
 ) -> Encoded:
     """A push's host work, on whichever thread calls it: `finish_gather(fragment, leaves)`, then the
-    increment over the last push (`pushes.encode_increment`)."""
+    increment over the last push (`pushes.encode_increment`), parsed as the push carries it."""
     theta = finish_gather(flight.fragment, flight.leaves)
     payload, left = pushes.encode_increment(state, flight, theta, feedback, codec_name, error_feedback, block, parallel)
-    return Encoded(theta, payload, left)
+    return Encoded(theta, codec.parse(payload), left)
 
 
 class Encoding(NamedTuple):
@@ -104,9 +119,9 @@ class Background:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # the pool's start and stop, and the two maps below
         self._closed = False
-        # fragment -> (version, its published copy, the anchor of the progress kept over the next):
-        # what the next delta of the fragment applies onto
-        self._onto: dict[int, tuple[int, np.ndarray, np.ndarray | None]] = {}
+        # fragment -> (version, its published copy, the anchor of the progress kept over the next,
+        # where to place the difference or None): what the next delta of the fragment applies onto
+        self._onto: dict[int, tuple[int, np.ndarray, np.ndarray | None, Place | None]] = {}
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()  # id(update) -> its result
         self._pending: dict[int, tuple[session.UpdateInfo, Future]] = {}  # id(update) -> its job, not done
 
@@ -148,16 +163,19 @@ class Background:
 
     # ---- arrivals ----------------------------------------------------------------------------------
 
-    def holds(self, q: int, version: int, published: np.ndarray, anchor: np.ndarray | None) -> None:
+    def holds(
+        self, q: int, version: int, published: np.ndarray, anchor: np.ndarray | None, place: Place | None = None
+    ) -> None:
         """The hook holds `version` of fragment q with this published copy, and keeps the progress
-        since `anchor` over the next version (None: overwrites). Where this thread has decoded a
-        later version onto this very copy already, it goes on from there, with the new anchor."""
+        since `anchor` over the next version (None: overwrites); `place` puts a difference where the
+        fragment's leaves live (None: the hook places it). Where this thread has decoded a later
+        version onto this very copy already, it goes on from there, with the new anchor."""
         with self._lock:
             known = self._onto.get(q)
             if known is not None and known[0] > version and self._descends(q, published):
-                self._onto[q] = (known[0], known[1], anchor)
+                self._onto[q] = (known[0], known[1], anchor, place)
             else:
-                self._onto[q] = (version, published, anchor)
+                self._onto[q] = (version, published, anchor, place)
 
     def _descends(self, q: int, published: np.ndarray) -> bool:
         """Whether a decoded update of q waiting to be taken went onto `published` (this thread is
@@ -185,12 +203,13 @@ class Background:
             onto = known[1]
         else:
             return  # not onto what the hook will hold: it decodes the update itself
-        anchor = known[2] if known is not None else None
+        anchor, place = (known[2], known[3]) if known is not None else (None, None)
         published = arrivals.apply_update(onto, update, False)
         difference = None if anchor is None else published - anchor
+        placed = None if difference is None or place is None else place(difference)
         with self._lock:
-            self._onto[q] = (update.version, published, anchor)
-            self._decoded[id(update)] = _Decoded(update, onto, published, anchor, difference)
+            self._onto[q] = (update.version, published, anchor, place)
+            self._decoded[id(update)] = _Decoded(update, onto, published, anchor, difference, placed)
             mine = [k for k, d in self._decoded.items() if d.update.fragment == q]
             for key in mine[: max(0, len(mine) - DECODED_MAX)]:
                 del self._decoded[key]
@@ -209,12 +228,13 @@ class Background:
             return None
         return d.published
 
-    def difference(self, published: np.ndarray, anchor: np.ndarray) -> np.ndarray | None:
-        """published - anchor, if this thread computed it for these very arrays, else None."""
+    def difference(self, published: np.ndarray, anchor: np.ndarray) -> Prepared | None:
+        """published - anchor (and where placed, the same on the devices), if this thread computed
+        it for these very arrays, else None."""
         with self._lock:
             for d in self._decoded.values():
-                if d.published is published and d.anchor is anchor:
-                    return d.difference
+                if d.published is published and d.anchor is anchor and d.difference is not None:
+                    return Prepared(d.difference, d.placed)
         return None
 
     def taken(self, updates: Collection[session.UpdateInfo]) -> None:

@@ -24,6 +24,7 @@ the first call then waits for the welcome (at most `welcome_timeout_s`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from ddiloco.learner.pushes import PUSH_SKIPS_LIMIT, PUSH_SKIPS_MAX
 from ddiloco.learner.schedule import due_fragments
 from ddiloco.learner.tape import LearnerTapeWriter
 from ddiloco.learner.transport import SnapshotOutbox, Transport
-from ddiloco.learner.tree import TreeFragments, default_is_embedding, tensor_specs
+from ddiloco.learner.tree import LeafPlace, TreeFragments, default_is_embedding, tensor_specs
 from ddiloco.net import peer, session
 from ddiloco.net.client import ClientConfig, ThreadedClient
 from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
@@ -181,6 +182,7 @@ class DilocoSync:
         self._pushes = pushes.Pushes(last={})
         self._deferred: arrivals.Deferred = {}  # arrived versions waiting behind a push (arrivals.defer)
         self._background = background.Background()  # host work off the training thread (SyncConfig.background)
+        self._placements: dict[int, tuple[LeafPlace, ...]] = {}  # fragment -> where its leaves live, last seen
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -304,7 +306,7 @@ class DilocoSync:
             fragments[q] = FragmentSync().received(0, values, values)  # the syncer publishes version 0 as sent
         self.fragments = tuple(fragments)
         for q in asked:
-            self._tell_background(q)
+            self._tell_background(q, params)
         log.info("learner %d sent the initial parameters (version 0) of fragments %s", self.learner_id, list(asked))
 
     def _rejoin(self, params: Any, welcome: session.WelcomeInfo) -> None:
@@ -322,6 +324,7 @@ class DilocoSync:
         # What was under way for those fragments belongs to the old session.
         self._pushes = pushes.forget(self._pushes, reset)
         self._background.forget(reset)
+        self._placements = {q: at for q, at in self._placements.items() if q not in reset}
         self._deferred = arrivals.forget(self._deferred, reset)
         self._schedule = scheduling.rescheduled(self._schedule, welcome, len(self.fragments))
         if welcome.needs_init:
@@ -509,23 +512,33 @@ class DilocoSync:
         else:
             # The new version plus what this learner trained since its last push (or since the version
             # it held, when none is outstanding): published + (theta - anchor), added on the devices.
-            difference = self._background.difference(published, kept.anchor)
-            params = tree.add(params, q, published - kept.anchor if difference is None else difference)
+            prepared = self._background.difference(published, kept.anchor)
+            if prepared is not None and prepared.placed is not None and tree.fits(params, q, prepared.placed):
+                params = tree.add_placed(params, q, prepared.placed)
+            else:
+                params = tree.add(params, q, published - kept.anchor if prepared is None else prepared.difference)
         self._background.taken(chain)  # after `difference`, which looks among what it holds
         self.fragments = replaced(self.fragments, q, arrivals.received(frag, version, published, kept))
         self.merged_versions_applied += 1
-        self._tell_background(q)
+        self._tell_background(q, params)
         return params
 
-    def _tell_background(self, q: int) -> None:
+    def _tell_background(self, q: int, params: Any = None) -> None:
         """What the next version of fragment q applies onto, for the background thread: the
-        published copy held and the anchor of the progress kept over it."""
+        published copy held and the anchor of the progress kept over it; and where the difference
+        goes: where fragment q's leaves of `params` live (else where they lived when last told)."""
+        if not self.config.background:
+            return
+        if params is not None:
+            self._placements[q] = self._joined()[1].placement(params, q)
         frag = self.fragments[q]
-        if frag.published is None or not self.config.background:
+        if frag.published is None:
             return
         last = pushes.last_from(self._pushes, q, frag.version)
         kept = arrivals.kept_progress(frag, last, self.config.keep_progress, self.config.alpha)
-        self._background.holds(q, frag.version, frag.published, None if kept is None else kept.anchor)
+        placement = self._placements.get(q)
+        place = None if placement is None else functools.partial(self._joined()[1].place, q, placement)
+        self._background.holds(q, frag.version, frag.published, None if kept is None else kept.anchor, place)
 
     def _start_push(self, params: Any, q: int) -> pushes.InFlight:
         """Fragment q's push, started: its copy to the host, and its host work on the background
@@ -534,6 +547,7 @@ class DilocoSync:
         flight = pushes.InFlight(q, self.step_count, self.fragments[q], tree.start_gather(params, q))
         if not self.config.background:
             return flight
+        self._placements[q] = tree.placement(params, q)  # where the next version's difference goes (_tell_background)
         config = self.config
         job = self._background.encode(
             tree.finish_gather,
@@ -566,7 +580,7 @@ class DilocoSync:
         theta, payload, feedback = self._encoded(flight)
         # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
         # the hook knows it (the syncer takes the sender from the connection, not from the push).
-        push = Push(self.learner_id, q, flight.step, frag.version, frag.steps, frag.tokens, codec.parse(payload))
+        push = Push(self.learner_id, q, flight.step, frag.version, frag.steps, frag.tokens, payload)
         if self.tape is not None:
             self.tape.push(self.calls, push)
         if client.push(push) is not False:  # a transport that returns nothing sent it

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,7 +19,15 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, t
 
 from ddiloco.core.layout import Layout, LayoutError, TensorSpec
 
-__all__ = ["TreeFragments", "default_is_embedding", "leaf_path", "put_all_like", "tensor_specs"]
+__all__ = [
+    "LeafPlace",
+    "TreeFragments",
+    "default_is_embedding",
+    "leaf_path",
+    "place_of",
+    "put_all_like",
+    "tensor_specs",
+]
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -56,6 +64,23 @@ def tensor_specs(params: Any, is_embedding: Callable[[str], bool] = default_is_e
             raise LayoutError(f"leaf {path!r} has dtype {dtype}; only float32, bfloat16 and float16 parameters sync")
         specs.append(TensorSpec(path, tuple(leaf.shape), dtype, is_embedding(path)))
     return tuple(specs)
+
+
+class LeafPlace(NamedTuple):
+    """Where and how a leaf lives, without the leaf itself (holding none of its memory): what placing
+    values like it takes (`put_all_like` reads `sharding` and `committed`), and what a value placed
+    for it is compared by (`TreeFragments.fits`)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any  # None: a host array (numpy), not a device array
+    committed: bool
+
+
+def place_of(leaf: Any) -> LeafPlace:
+    """The `LeafPlace` of a leaf (a device array, or a host one)."""
+    sharding = getattr(leaf, "sharding", None)
+    return LeafPlace(tuple(leaf.shape), np.dtype(leaf.dtype), sharding, bool(getattr(leaf, "committed", True)))
 
 
 @dataclass(frozen=True)
@@ -132,12 +157,36 @@ class TreeFragments:
 
     def add(self, params: Any, p: int, values: np.ndarray) -> Any:
         """`params` with `values` (float32[padded]) added to fragment p: each leaf's slice moved to
-        where the leaf is (`put_all_like`) in the leaf's dtype and added there, so a device leaf is
-        added on its devices without waiting for them, and keeps its dtype and sharding."""
-        leaves, olds, slices = self._slices(params, p, values)
-        adds = [np.asarray(new, dtype=old.dtype) for old, new in zip(olds, slices)]
-        for slot, old, placed in zip(self.slots[p], olds, put_all_like(adds, olds)):
-            leaves[slot.leaf] = old + placed
+        where the leaf is (`place`) in the leaf's dtype and added there, so a device leaf is added on
+        its devices without waiting for them, and keeps its dtype and sharding."""
+        return self.add_placed(params, p, self.place(p, self.placement(params, p), values))
+
+    def placement(self, params: Any, p: int) -> tuple[LeafPlace, ...]:
+        """Where each of fragment p's leaves of `params` lives (`place` puts values there)."""
+        return tuple(place_of(leaf) for leaf in self.leaves(params, p))
+
+    def place(self, p: int, placement: tuple[LeafPlace, ...], values: np.ndarray) -> list[Any]:
+        """`values` (float32[padded]) cut into fragment p's leaves, each in its leaf's shape and dtype
+        and put where `placement` says (`put_all_like`). Reads no parameters: callable on any thread,
+        ahead of the step that adds them (`add_placed`)."""
+        slices = [
+            np.asarray(values[s.offset : s.offset + s.size].reshape(at.shape), dtype=at.dtype)
+            for s, at in zip(self.slots[p], placement, strict=True)
+        ]
+        return put_all_like(slices, list(placement))
+
+    def fits(self, params: Any, p: int, placed: list[Any]) -> bool:
+        """Whether `placed` (from `place`) lies where fragment p's leaves of `params` are now, in
+        their shapes and dtypes: else adding it would move a leaf or change its type."""
+        return len(placed) == len(self.slots[p]) and all(
+            place_of(new) == place_of(old) for new, old in zip(placed, self.leaves(params, p))
+        )
+
+    def add_placed(self, params: Any, p: int, placed: list[Any]) -> Any:
+        """`params` with `placed` (from `place`, `fits`) added to fragment p's leaves, where they are."""
+        leaves = list(self.treedef.flatten_up_to(params))
+        for slot, add in zip(self.slots[p], placed, strict=True):
+            leaves[slot.leaf] = leaves[slot.leaf] + add
         return tree_unflatten(self.treedef, leaves)
 
     def _slices(self, params: Any, p: int, values: np.ndarray) -> tuple[list[Any], list[Any], list[np.ndarray]]:

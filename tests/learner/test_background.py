@@ -32,7 +32,7 @@ def test_a_push_encoded_in_the_background_is_the_bytes_encoded_at_the_send():
     finally:
         bg.close()
     payload, left = pushes.encode_increment(state, _flight(frag), theta, feedback, "int4", True, BLOCK, False)
-    assert got.payload == payload and np.array_equal(got.theta, theta)
+    assert got.payload.header() + got.payload.body.tobytes() == payload and np.array_equal(got.theta, theta)
     assert np.array_equal(got.feedback.residual, left.residual)
     # inputs the hook no longer holds (a push of the fragment went out since): not valid, done again
     assert job.still_valid(None, feedback) and not job.still_valid(None, codec.feedback_init(base.size))
@@ -56,7 +56,8 @@ def test_an_update_decoded_in_the_background_is_the_copy_the_hook_would_make():
         made = bg.published(delta, bg.published(whole, None))
         expected = arrivals.apply_update(held, delta, False)
         assert np.array_equal(made, expected)
-        assert np.array_equal(bg.difference(made, anchor), expected - anchor)
+        prepared = bg.difference(made, anchor)
+        assert np.array_equal(prepared.difference, expected - anchor) and prepared.placed is None  # not told where
         # onto another array than the one it was decoded onto, or after its fragment was forgotten:
         # nothing, and the hook decodes it itself
         assert bg.published(delta, held.copy()) is None and bg.difference(made, anchor.copy()) is None
@@ -67,3 +68,36 @@ def test_an_update_decoded_in_the_background_is_the_copy_the_hook_would_make():
     # reach with and without what the thread made: the same bytes
     frag = FragmentSync(version=5, base=held, published=held)
     assert np.array_equal(arrivals.reach(frag, [delta], False).published, expected)
+
+
+def test_the_difference_is_placed_on_the_leaves_devices_as_the_hook_would_add_it():
+    """Told where the fragment's leaves live, the thread puts the difference there too; added, it
+    gives the bits of the hook's own add, and a placement that no longer fits the leaves is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddiloco.core.layout import build_layout
+    from ddiloco.learner.tree import TreeFragments, tensor_specs
+
+    params = {"a": jnp.linspace(-1, 1, 512, dtype=jnp.float32), "b": jnp.ones((16, 32), jnp.bfloat16)}
+    tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
+    n = tree.layout.fragments[0].padded_size
+    rng = np.random.default_rng(2)
+    held, anchor = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    update = session.UpdateInfo(0, 5, codec.parse(codec.encode(held, "fp32")))
+    bg = background.Background()
+    try:
+        bg.holds(0, 4, np.zeros(n, np.float32), anchor, lambda d: tree.place(0, tree.placement(params, 0), d))
+        bg.offer(update)
+        made = bg.published(update, None)
+        prepared = bg.difference(made, anchor)
+    finally:
+        bg.close()
+    assert prepared.placed is not None and tree.fits(params, 0, prepared.placed)
+    mine, theirs = tree.add(params, 0, made - anchor), tree.add_placed(params, 0, prepared.placed)
+    for key in params:
+        assert mine[key].dtype == theirs[key].dtype == params[key].dtype
+        assert np.array_equal(np.asarray(jax.device_get(mine[key])), np.asarray(jax.device_get(theirs[key])))
+    # the leaves changed type since: what was placed for the old ones does not fit
+    changed = {**params, "b": params["b"].astype(jnp.float32)}
+    assert not tree.fits(changed, 0, prepared.placed)

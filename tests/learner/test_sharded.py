@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,19 @@ def check_tree(checks: Checks, committed: bool) -> None:
             checks.that(
                 np.array_equal(got[seg.offset : seg.offset + seg.tensor.size], want),
                 f"{tag}: gather of fragment {p} differs from the host value of {seg.tensor.path}",
+            )
+        # placed on another thread (as learner.background does), then added: the bits and the
+        # placements of `add`
+        values = (got * 0.5).astype(np.float32)
+        with ThreadPoolExecutor(1) as other:
+            placed = other.submit(tree.place, p, tree.placement(params, p), values).result()
+        checks.that(tree.fits(params, p, placed), f"{tag}: values placed for fragment {p} do not fit its leaves")
+        added, want_added = tree.add_placed(params, p, placed), tree.add(params, p, values)
+        check_placements(checks, f"{tag}: add_placed of fragment {p}", added, params)
+        for (path, a), (_, b) in zip(named_leaves(added), named_leaves(want_added)):
+            checks.that(
+                np.array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))),
+                f"{tag}: add_placed of fragment {p} differs from add in {path}",
             )
         for alpha in (0.0, 0.25):
             values = (got + 1.0).astype(np.float32)
