@@ -144,6 +144,10 @@ class SyncerClient:
         # Made once, here: a CA file that cannot be used fails the start, not every reconnect.
         self._ssl = tls.client_context(config.ca_file) if config.url.startswith("wss://") else None
         self.inbox = Inbox()
+        # The inbox is filled on the loop's thread and emptied by `take_inbox` on the training
+        # thread's, each under this lock: taking costs the training thread no wake-up of the loop
+        # (a write to its self-pipe, and the GIL handed to it for as long as it runs).
+        self.inbox_lock = threading.RLock()
         self.refused: SyncerRefused | None = None
         self.connected = asyncio.Event()
         self.welcomed = asyncio.Event()
@@ -394,6 +398,10 @@ class SyncerClient:
             log.warning("not merging the syncer's clock: %s", exc)
 
     def _deliver(self, item: object) -> None:
+        with self.inbox_lock:
+            self._deliver_locked(item)
+
+    def _deliver_locked(self, item: object) -> None:
         self.inbox.deliveries += 1
         if self.inbox.markers and isinstance(item, (session.UpdateInfo, session.MarkerInfo)):
             self.inbox.held.append(item)
@@ -420,6 +428,23 @@ class SyncerClient:
             self.inbox.errors.append(item)
             if item.fatal:
                 raise SyncerRefused(f"the syncer at {self.config.url} refused this learner ({item.code}): {item.text}")
+
+    def take_inbox(self) -> tuple[dict, list, list[int], tuple[int, session.WelcomeInfo | None], int]:
+        """What arrived since the last call, taken out on the calling thread: (updates by fragment,
+        errors, snapshot markers, (welcomes so far, the latest welcome), deliveries counted). What
+        arrived after a marker is delivered again, for the next call (held again behind a later marker)."""
+        with self.inbox_lock:
+            box = self.inbox
+            updates, errors, markers = dict(box.updates), list(box.errors), list(box.markers)
+            box.updates.clear()
+            box.errors.clear()
+            box.markers.clear()
+            held = list(box.held)
+            box.held.clear()
+            for item in held:
+                self._deliver_locked(item)
+            # Re-delivered held items counted above: the next call comes back here for them.
+            return updates, errors, markers, (box.welcomes, box.welcome), box.deliveries - len(held)
 
     async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse, welcomes_before: int) -> None:
         await self.welcomed.wait()  # this connection's welcome, a refusal, or close
@@ -505,8 +530,8 @@ class ThreadedClient:
         self._ready = threading.Event()
         self._welcomes_seen = 0  # welcomes the caller has seen: stamps what it sends (see queue_progress)
         self._welcome: session.WelcomeInfo | None = None  # the latest the caller has seen: its round schedule
-        self._markers: list[int] = []  # collected by `_take` on the loop, given out by `take_markers`
-        self._taken: tuple[int, tuple] | None = None  # (inbox deliveries, welcomes) as of the last `_take`
+        self._markers: list[int] = []  # collected by `take`, given out by `take_markers`
+        self._taken: tuple[int, tuple] | None = None  # (inbox deliveries, welcomes) as of the last `take`
         self._failed: BaseException | None = None  # the client could not be made (a CA file that is unusable)
         # Pushes handed to the loop and not yet in its queue: with the queue's length, what `push`
         # decides a full queue by, on the caller's thread, so that the hook knows at once
@@ -664,30 +689,14 @@ class ThreadedClient:
         call, and (number of welcomes so far, the latest welcome)."""
         self._check()
         if self._taken is not None and self._taken[0] == self._client.inbox.deliveries:
-            # Nothing arrived since (most steps): no need to wait for the network thread to be
-            # scheduled, which on busy cores can take a time slice. (`ddiloco bench learner` showed
-            # no gain beyond its run-to-run noise; it is the cheaper path all the same.)
+            # Nothing arrived since (most steps): not even the inbox's lock is taken.
             return {}, [], self._taken[1]
-        fut = asyncio.run_coroutine_threadsafe(self._take(), self._loop)
-        *taken, deliveries = fut.result()
-        self._taken = (deliveries, taken[2])
-        self._welcomes_seen = taken[2][0]
-        self._welcome = taken[2][1] or self._welcome
-        return tuple(taken)
-
-    async def _take(self) -> tuple[dict, list, tuple[int, session.WelcomeInfo | None], int]:
-        box = self._client.inbox
-        updates, errors = dict(box.updates), list(box.errors)
-        box.updates.clear()
-        box.errors.clear()
-        self._markers += box.markers  # handed to the training thread by `take_markers`, after this take
-        box.markers.clear()
-        held = list(box.held)
-        box.held.clear()
-        for item in held:  # after the marker: for the next take (held again behind a later marker)
-            self._client._deliver(item)
-        # Re-delivered held items counted above: the next take comes back here for them.
-        return updates, errors, (box.welcomes, box.welcome), box.deliveries - len(held)
+        updates, errors, markers, welcome, deliveries = self._client.take_inbox()
+        self._markers += markers  # handed out by `take_markers`, after this take
+        self._taken = (deliveries, welcome)
+        self._welcomes_seen = welcome[0]
+        self._welcome = welcome[1] or self._welcome
+        return updates, errors, welcome
 
     def _check(self) -> None:
         """A refused client has no loop left to talk to: say why, every time it is used."""
