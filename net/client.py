@@ -154,6 +154,9 @@ class SyncerClient:
         self.settled = threading.Event()  # welcomed at least once, or refused: for other threads
         self._progress: deque = deque(maxlen=config.progress_queued_max)
         self._bulk: deque = deque()
+        self._bulk_reports = 0  # progress reports among the bulk messages (queue_progress, queue_local_state)
+        self._bulk_sending = False  # the writer is between the frames of a bulk message
+        self._reported_versions: tuple[int, ...] | None = None  # those of the last report queued
         self._wake = asyncio.Event()
         self._closed = asyncio.Event()  # set by close: the client is stopping
         self._ids = iter(range(1, 1 << 62))
@@ -181,18 +184,41 @@ class SyncerClient:
     # writer drops it.
 
     def queue_progress(self, progress: session.ProgressInfo, welcomes: int | None = None) -> None:
-        self._progress.append((welcomes, progress))
+        """Reports go ahead of bulk messages, except one of newer held versions while a bulk message
+        waits or is being sent, and every report after it until it went out: that one closes the
+        learner's windows of the versions before (core.ledger), so a push computed from them, sent
+        before it, must reach the syncer before it, or the push's tokens would be booked lost."""
+        behind = self._bulk_reports > 0 or (
+            bool(self._bulk or self._bulk_sending) and progress.versions != self._reported_versions
+        )
+        self._reported_versions = progress.versions
+        if not behind:
+            self._progress.append((welcomes, progress))
+        elif self._bulk and self._is_same_report(self._bulk[-1], welcomes, progress):
+            self._bulk[-1] = (welcomes, progress)  # the newer report of the same versions stands for both
+        else:
+            self._bulk.append((welcomes, progress))
+            self._bulk_reports += 1
         self._wake.set()
+
+    @staticmethod
+    def _is_same_report(queued: tuple, welcomes: int | None, progress: session.ProgressInfo) -> bool:
+        old_welcomes, old = queued
+        return isinstance(old, session.ProgressInfo) and old_welcomes == welcomes and old.versions == progress.versions
 
     def queue_push(self, push: Push, welcomes: int | None = None) -> bool:
         """False when the push queue is full: the push is dropped, counted in `pushes_dropped` and
         logged (the caller keeps its counters and tries next time)."""
-        if len(self._bulk) >= self.config.pushes_queued_max:
+        if self.pushes_queued() >= self.config.pushes_queued_max:
             self.dropped(push)
             return False
         self._bulk.append((welcomes, push))
         self._wake.set()
         return True
+
+    def pushes_queued(self) -> int:
+        """Bulk messages waiting to go out, not counting the progress reports among them."""
+        return len(self._bulk) - self._bulk_reports
 
     def dropped(self, push: Push) -> None:
         """Count a push refused for a full queue; logged at the 1st, 10th, 100th... so that a learner
@@ -203,7 +229,7 @@ class SyncerClient:
                 "push of fragment %d at step %d dropped: %d messages already queued (%d pushes dropped so far)",
                 push.fragment,
                 push.step,
-                len(self._bulk),
+                self.pushes_queued(),
                 self.pushes_dropped,
             )
 
@@ -217,6 +243,7 @@ class SyncerClient:
         for a full queue: the snapshot waits for it. Reports queued later wait until it is sent."""
         while self._progress:
             self._bulk.append(self._progress.popleft())
+            self._bulk_reports += 1
         self._bulk.append((welcomes, item))
         self._wake.set()
 
@@ -455,6 +482,7 @@ class SyncerClient:
             return
         bulk_frames: deque = deque()
         sending_local_state = False  # bulk_frames hold a local state's frames
+        self._bulk_sending = False  # (a connection before this one may have ended mid-message)
         while True:
             queued = self._progress or self._bulk or bulk_frames
             if self._closing and (not queued or self._drain_left() == 0):
@@ -474,18 +502,21 @@ class SyncerClient:
             elif bulk_frames:
                 frames = [bulk_frames.popleft()]
                 sending_local_state = sending_local_state and bool(bulk_frames)
-            else:  # progress held back is behind a local state in the bulk: something is there
+            else:  # reports held back behind a push or a local state are in the bulk: something is there
                 welcomes, item = self._bulk.popleft()
+                self._bulk_reports -= isinstance(item, session.ProgressInfo)
                 if not self._current(welcomes):
                     continue
-                if isinstance(item, session.ProgressInfo):  # a report made before a local state
+                if isinstance(item, session.ProgressInfo):  # behind a push, or made before a local state
                     frames = session.progress_frames(item, next(self._ids), self.config.wire, self._tick())
                 else:
                     bulk_frames.extend(session.bulk_frames(item, next(self._ids), self.config.wire, self._tick()))
                     sending_local_state = isinstance(item, session.LocalStateInfo) and bool(bulk_frames)
                     continue
+            self._bulk_sending = bool(bulk_frames)
             for frame in frames:
                 await self._send(ws, frame)
+        self._bulk_sending = False
         for frame in session.bye_frames("stopping", next(self._ids), self.config.wire):
             await self._send(ws, frame)
         await ws.close()
@@ -648,7 +679,7 @@ class ThreadedClient:
         self._check()
         client = self._client
         with self._handed_lock:
-            if len(client._bulk) + self._handed >= client.config.pushes_queued_max:
+            if client.pushes_queued() + self._handed >= client.config.pushes_queued_max:
                 full = True
             else:
                 full, self._handed = False, self._handed + 1
