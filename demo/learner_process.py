@@ -161,7 +161,8 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
                 )
         if ce_array is not None:  # the summary's loss is that of the last step taken
             ce = float(ce_array)
-        sync.close()  # sends the pushes whose copies the last step started: recorded before the tape closes
+        # what was trained since the last pushes goes out, and is recorded before the tape closes
+        sync.close(params)
         if writer is not None:
             writer.close(sync.calls, sync.step_count, sync.params_sha256(params))
     finally:

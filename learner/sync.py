@@ -630,14 +630,22 @@ class DilocoSync:
 
     # ---- the end -------------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close the client (what is queued goes out, then a goodbye) and the peer server. Idempotent."""
+    def close(self, params: Any = None) -> None:
+        """Close the client (what is queued goes out, then a goodbye) and the peer server. Idempotent.
+
+        Given `params` (the parameters after the last step), a graceful stop loses no training: every
+        fragment's progress not pushed yet goes out first, as the increment since its last push (or
+        since the version held). The syncer merges it in the fragment's next round, as it does any push
+        of a learner that has left; a round opens while other learners train on."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._pushes.in_flight and self.client is not None:
-                self._send_in_flight()  # the last step's pushes, sent (and recorded) before the goodbye
+            if self.client is not None:
+                if params is not None and self.joined:
+                    self._push_the_rest(params)
+                if self._pushes.in_flight:
+                    self._send_in_flight()  # the last step's pushes, sent (and recorded) before the goodbye
         except Exception as exc:  # noqa: BLE001 - closing goes on: a client already stopped cannot send
             log.warning("the last pushes were not sent: %s", exc)
         try:
@@ -647,6 +655,17 @@ class DilocoSync:
             self._background.close()
             if self.peer_server is not None:
                 self.peer_server.close()
+
+    def _push_the_rest(self, params: Any) -> None:
+        """Push every fragment that holds a version and trained since its last push (the pushes the
+        last step started go out first, in order), for `close`."""
+        self._send_in_flight()
+        for q, frag in enumerate(self.fragments):
+            last = pushes.last_from(self._pushes, q, frag.version)
+            since = frag.tokens - (last.tokens if last is not None else 0)
+            if frag.version >= 0 and frag.base is not None and since > 0:
+                self._pushes = pushes.started(self._pushes, self._start_push(params, q))
+        self._send_in_flight()
 
     def __enter__(self) -> Self:
         return self

@@ -371,3 +371,40 @@ def test_every_step_of_progress_is_merged_once_however_often_the_learner_pushes(
         assert all(f.version >= v + 3 for f, v in zip(sync.fragments, versions)), (versions, sync.versions)
     finally:
         sync.close()
+
+
+def _leave_and_count(threaded_syncer, with_params: bool) -> int:
+    """Learner a trains past its last pushes, then leaves (`close`, with its parameters or without)
+    while learner b steps on, so that the fragments' rounds open and close; the tokens booked lost
+    once every push of a has been decided (b loses none while it trains: it keeps its progress)."""
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
+    a = {"params": model(1), "target": model(10)}
+    a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
+    b = {"params": model(2), "target": model(20)}
+    b["sync"] = DilocoSync.connect(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
+    try:
+        deadline = time.monotonic() + 120
+        while min(a["sync"].versions + b["sync"].versions) < 2 and time.monotonic() < deadline:
+            train([a, b], 1)
+        while a["sync"].due_next:  # on to a step where nothing falls due
+            train([a, b], 1)
+        train([a], 1)  # trained after every push it made: only close(params) pushes it
+        learner = a["sync"].learner_id
+        a["sync"].close(a["params"] if with_params else None)
+        deadline = time.monotonic() + 120
+        while s.read(lambda st: any(k[0] == learner for k in st.ledger.held)) and time.monotonic() < deadline:
+            train([b], 1)
+        lost, mine = s.read(lambda st: (st.ledger.totals["lost"], st.ledger.of_learner(learner)))
+        assert mine["merged"] + mine["merged_late"] > 0
+        b["sync"].close()
+        s.read(lambda st: st.ledger.check())
+        return lost
+    finally:
+        s.stop()
+
+
+def test_a_learner_that_leaves_with_its_parameters_has_every_token_it_trained_merged(threaded_syncer):
+    """close(params) pushes what was trained since the last pushes, and the syncer merges it: no token
+    is booked lost; a plain close() leaves the last step's tokens unpushed, booked lost."""
+    assert _leave_and_count(threaded_syncer, with_params=True) == 0
+    assert _leave_and_count(threaded_syncer, with_params=False) > 0
