@@ -36,7 +36,7 @@ from ddiloco.core import codec
 from ddiloco.learner import arrivals, pushes
 from ddiloco.net import session
 
-__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "Prepared", "encode_push"]
+__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "Prepared", "PushWork", "encode_push"]
 
 # Updates of one fragment decoded ahead and not taken yet, at most: past it the oldest is dropped
 # (the hook then decodes it itself). Each holds two fragment-sized host arrays and, where the hook
@@ -76,20 +76,28 @@ class Encoded(NamedTuple):
     feedback: codec.FeedbackState | None
 
 
-def encode_push(
-    finish_gather: Any,
-    state: pushes.Pushes,
-    flight: pushes.InFlight,
-    feedback: codec.FeedbackState | None,
-    codec_name: str,
-    error_feedback: bool,
-    block: int,
-    parallel: bool,
-) -> Encoded:
-    """A push's host work, on whichever thread calls it: `finish_gather(fragment, leaves)`, then the
-    increment over the last push (`pushes.encode_increment`), parsed as the push carries it."""
-    theta = finish_gather(flight.fragment, flight.leaves)
-    payload, left = pushes.encode_increment(state, flight, theta, feedback, codec_name, error_feedback, block, parallel)
+class PushWork(NamedTuple):
+    """What a push's host work reads: how to finish the fragment's host copy
+    (`finish_gather(fragment, leaves)`), the push state and the push, the fragment's error-feedback
+    residual, and the codec's settings."""
+
+    finish_gather: Any
+    state: pushes.Pushes
+    flight: pushes.InFlight
+    feedback: codec.FeedbackState | None
+    codec_name: str
+    error_feedback: bool
+    block: int
+
+
+def encode_push(work: PushWork, parallel: bool) -> Encoded:
+    """A push's host work, on whichever thread calls it: the host copy, then the increment over the
+    last push (`pushes.encode_increment`), parsed as the push carries it."""
+    w = work
+    theta = w.finish_gather(w.flight.fragment, w.flight.leaves)
+    payload, left = pushes.encode_increment(
+        w.state, w.flight, theta, w.feedback, w.codec_name, w.error_feedback, w.block, parallel
+    )
     return Encoded(theta, codec.parse(payload), left)
 
 
@@ -138,28 +146,19 @@ class Background:
                 self._pending[id(update)] = (update, future)
             return future
 
-    def encode(
-        self,
-        finish_gather: Any,
-        state: pushes.Pushes,
-        flight: pushes.InFlight,
-        feedback: codec.FeedbackState | None,
-        codec_name: str,
-        error_feedback: bool,
-        block: int,
-    ) -> Encoding:
-        """Start `flight`'s host work: `finish_gather(fragment, leaves)` then the increment's encoding,
-        on one thread (serial kernels: the worker is one thread beside the training step)."""
+    def encode(self, work: PushWork) -> Encoding:
+        """Start a push's host work (`encode_push`) on this thread (serial kernels: the worker is one
+        thread beside the training step)."""
 
         def job() -> Encoded:
-            return encode_push(finish_gather, state, flight, feedback, codec_name, error_feedback, block, False)
+            return encode_push(work, False)
 
-        last = pushes.last_from(state, flight.fragment, flight.frag.version)
+        last = pushes.last_from(work.state, work.flight.fragment, work.flight.frag.version)
         future = self._submit(job)
         if future is None:  # closed: done at the send, as without this thread
             future = Future()
             future.set_result(job())
-        return Encoding(future, last, feedback)
+        return Encoding(future, last, work.feedback)
 
     # ---- arrivals ----------------------------------------------------------------------------------
 

@@ -543,22 +543,21 @@ class DilocoSync:
     def _start_push(self, params: Any, q: int) -> pushes.InFlight:
         """Fragment q's push, started: its copy to the host, and its host work on the background
         thread (SyncConfig.background)."""
-        _, tree, layout = self._joined()
+        tree = self._joined()[1]
         flight = pushes.InFlight(q, self.step_count, self.fragments[q], tree.start_gather(params, q))
         if not self.config.background:
             return flight
         self._placements[q] = tree.placement(params, q)  # where the next version's difference goes (_tell_background)
+        return flight._replace(job=self._background.encode(self._push_work(flight)))
+
+    def _push_work(self, flight: pushes.InFlight) -> background.PushWork:
+        """What `flight`'s host work reads, as the hook holds it now."""
+        _, tree, layout = self._joined()
+        feedback = self.fragments[flight.fragment].feedback
         config = self.config
-        job = self._background.encode(
-            tree.finish_gather,
-            self._pushes,
-            flight,
-            self.fragments[q].feedback,
-            config.codec,
-            config.error_feedback,
-            layout.block,
+        return background.PushWork(
+            tree.finish_gather, self._pushes, flight, feedback, config.codec, config.error_feedback, layout.block
         )
-        return flight._replace(job=job)
 
     def _send_in_flight(self, fragment: int | None = None) -> tuple[int, ...]:
         """Encode and send the pushes whose host copies were started (of `fragment` only, if given),
@@ -593,22 +592,12 @@ class DilocoSync:
     def _encoded(self, flight: pushes.InFlight) -> background.Encoded:
         """The push's host copy and bytes: the background thread's, where its inputs still hold (they
         do unless the hook has a bug; see learner.background), else computed here."""
-        _, tree, layout = self._joined()
-        q, config = flight.fragment, self.config
+        q = flight.fragment
         feedback = self.fragments[q].feedback
         last = pushes.last_from(self._pushes, q, flight.frag.version)
         if flight.job is not None and flight.job.still_valid(last, feedback):
             return flight.job.result()
-        return background.encode_push(
-            tree.finish_gather,
-            self._pushes,
-            flight,
-            feedback,
-            config.codec,
-            config.error_feedback,
-            layout.block,
-            self.parallel_kernels,
-        )
+        return background.encode_push(self._push_work(flight), self.parallel_kernels)
 
     # ---- state out -----------------------------------------------------------------------------------
 

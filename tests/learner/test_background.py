@@ -27,7 +27,7 @@ def test_a_push_encoded_in_the_background_is_the_bytes_encoded_at_the_send():
     feedback = codec.feedback_init(base.size)
     bg = background.Background()
     try:
-        job = bg.encode(_gather(theta), state, _flight(frag), feedback, "int4", True, BLOCK)
+        job = bg.encode(background.PushWork(_gather(theta), state, _flight(frag), feedback, "int4", True, BLOCK))
         got = job.result()
     finally:
         bg.close()
