@@ -326,7 +326,7 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         "busy_steps": len(hook_us[True]),
         # the hook's own time per hooked step, on average: what of the overhead is the call itself
         # (the rest is the step waiting for the devices' share of the hook, and the cores it shares)
-        "hook_mean_per_step_us": statistics.fmean(hook_us[False] + hook_us[True]),
+        "hook_mean_per_step_us": _mean_or_none(hook_us[False] + hook_us[True]),
         "merged_share": _merged_share(ledger),
         "ledger": ledger,
         # CPU time per step, all threads (XLA's, the client's): steadier than wall time when the
@@ -357,6 +357,10 @@ def _merged_share(ledger: dict) -> float | None:
 
 def _median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 def _cpu_s(pid: int | None = None) -> float:

@@ -24,7 +24,6 @@ __all__ = [
     "TreeFragments",
     "default_is_embedding",
     "leaf_path",
-    "place_of",
     "put_all_like",
     "tensor_specs",
 ]
@@ -77,7 +76,7 @@ class LeafPlace(NamedTuple):
     committed: bool
 
 
-def place_of(leaf: Any) -> LeafPlace:
+def _place_of(leaf: Any) -> LeafPlace:
     """The `LeafPlace` of a leaf (a device array, or a host one)."""
     sharding = getattr(leaf, "sharding", None)
     return LeafPlace(tuple(leaf.shape), np.dtype(leaf.dtype), sharding, bool(getattr(leaf, "committed", True)))
@@ -163,7 +162,7 @@ class TreeFragments:
 
     def placement(self, params: Any, p: int) -> tuple[LeafPlace, ...]:
         """Where each of fragment p's leaves of `params` lives (`place` puts values there)."""
-        return tuple(place_of(leaf) for leaf in self.leaves(params, p))
+        return tuple(_place_of(leaf) for leaf in self.leaves(params, p))
 
     def place(self, p: int, placement: tuple[LeafPlace, ...], values: np.ndarray) -> list[Any]:
         """`values` (float32[padded]) cut into fragment p's leaves, each in its leaf's shape and dtype
@@ -179,7 +178,7 @@ class TreeFragments:
         """Whether `placed` (from `place`) lies where fragment p's leaves of `params` are now, in
         their shapes and dtypes: else adding it would move a leaf or change its type."""
         return len(placed) == len(self.slots[p]) and all(
-            place_of(new) == place_of(old) for new, old in zip(placed, self.leaves(params, p))
+            _place_of(new) == _place_of(old) for new, old in zip(placed, self.leaves(params, p))
         )
 
     def add_placed(self, params: Any, p: int, placed: list[Any]) -> Any:
