@@ -101,6 +101,8 @@ def hold_back(
     pushes: Pushes, due: tuple[int, ...], fragments: tuple[FragmentSync, ...], skips_max: int
 ) -> tuple[Pushes, tuple[int, ...]]:
     """Of the fragments the schedule makes due, those skipped (counted against PUSH_SKIPS_MAX)."""
+    if not due:  # most calls: nothing due, nothing to rebuild
+        return pushes, ()
     held = tuple(q for q in due if waits_on_push(pushes, q, fragments[q].version, skips_max))
     last = dict(pushes.last)
     for q in held:

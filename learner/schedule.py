@@ -14,7 +14,7 @@ from ddiloco.core import shards
 from ddiloco.learner.fragment import FragmentSync
 from ddiloco.net import session
 
-__all__ = ["Schedule", "due_fragments", "holds_shard_of", "rescheduled", "scheduled_at", "schedule_of"]
+__all__ = ["Schedule", "due_fragments", "holds_shard_of", "rescheduled", "scheduled_at", "schedule_of", "serves_any"]
 
 
 def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
@@ -53,6 +53,17 @@ def holds_shard_of(schedule: Schedule, fragments: tuple[FragmentSync, ...], q: i
 def scheduled_at(schedule: Schedule, fragments: tuple[FragmentSync, ...], step: int) -> tuple[int, ...]:
     """The fragments the schedule makes due at `step`, of those whose syncer (or shard) is served:
     none while one of its fragments' versions is missing (`holds_shard_of`)."""
-    if not fragments:
+    due = schedule.due.get(step % schedule.period) if fragments else None
+    if not due:  # most steps
         return ()
-    return tuple(q for q in schedule.due.get(step % schedule.period, ()) if holds_shard_of(schedule, fragments, q))
+    return tuple(q for q in due if holds_shard_of(schedule, fragments, q))
+
+
+def serves_any(schedule: Schedule, versions: tuple[int, ...]) -> bool:
+    """Whether this learner, holding `versions` (-1: none yet), holds every fragment of some syncer
+    or shard (`holds_shard_of`): then it reports its progress."""
+    if not versions:
+        return False
+    if min(versions) >= 0:  # every fragment held: the case at every step but the first
+        return True
+    return any(all(versions[p] >= 0 for p in shard) for shard in schedule.shard_of)

@@ -438,7 +438,7 @@ class DilocoSync:
         scheduled = self._scheduled_next()
         self.step_count += 1
         self.calls += 1
-        self.fragments = tuple(f.counted(tokens) for f in self.fragments)
+        self.fragments = tuple([f.counted(tokens) for f in self.fragments])
         updates, errors, (welcomes, welcome) = client.take()
         if self.tape is not None:
             self.tape.take(self.calls, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
@@ -461,11 +461,12 @@ class DilocoSync:
             self._pushes = pushes.started(self._pushes, self._start_push(params, q))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
-        if any(scheduling.holds_shard_of(self._schedule, self.fragments, q) for q in range(len(self.fragments))):
+        report = progress_report(self.step_count, self.fragments)
+        if scheduling.serves_any(self._schedule, report.versions):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live). To a
             # sharded syncer, the report goes to each shard whose fragments it holds (net.sharded).
-            client.progress(progress_report(self.step_count, self.fragments))
+            client.progress(report)
         for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
             # pushes made so far, which is what makes the cut consistent.

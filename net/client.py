@@ -568,6 +568,9 @@ class ThreadedClient:
         # decides a full queue by, on the caller's thread, so that the hook knows at once
         self._handed = 0
         self._handed_lock = threading.Lock()
+        # Set by the client's thread as it ends: read at every call of the hook, where
+        # Thread.is_alive (a lock taken and given back) cost more than the rest of `take`.
+        self._stopped = False
         self._thread = threading.Thread(target=self._main, args=(config,), name="ddiloco-client", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -589,6 +592,7 @@ class ThreadedClient:
             self._loop.run_until_complete(self._client.run())
         finally:
             self._loop.close()
+            self._stopped = True
 
     @property
     def client(self) -> SyncerClient:
@@ -732,7 +736,7 @@ class ThreadedClient:
     def _check(self) -> None:
         """A refused client has no loop left to talk to: say why, every time it is used."""
         self._raise_refused()
-        if not self._thread.is_alive():
+        if self._stopped:
             raise RuntimeError(f"the syncer client has stopped (last error: {self._client.last_error})")
 
     def _raise_refused(self) -> None:

@@ -82,3 +82,15 @@ def test_schedule_serves_a_shard_once_its_fragments_are_held():
     assert schedule.scheduled_at(sched, held, 2) == (0, 2) and schedule.scheduled_at(sched, held, 3) == (1, 3)
     assert schedule.scheduled_at(sched, (FragmentSync(),) + held[1:], 2) == ()
     assert schedule.scheduled_at(sched, (), 2) == ()
+
+
+def test_a_learner_reports_to_a_sharded_syncer_once_it_holds_one_whole_shard():
+    # Two shards over 4 fragments: shard 0 owns fragments 0 and 2, shard 1 owns 1 and 3.
+    welcome = session.WelcomeInfo(1, {}, "ab" * 32, (0, 0, 0, 0), 0, False, period=2, offsets=(0, 1, 0, 1), shards=2)
+    sched = schedule.schedule_of(welcome, 4)
+    for versions in [(-1,) * 4, (0, -1, -1, -1), (0, 3, -1, 2), (0, -1, 5, -1), (-1, 1, -1, 1), (2, 2, 2, 2)]:
+        fragments = tuple(FragmentSync(version=v) for v in versions)
+        by_fragment = any(schedule.holds_shard_of(sched, fragments, q) for q in range(4))
+        assert schedule.serves_any(sched, versions) == by_fragment, versions
+    assert not schedule.serves_any(sched, (0, -1, -1, -1)) and schedule.serves_any(sched, (0, -1, 5, -1))
+    assert not schedule.serves_any(sched, ())
