@@ -236,8 +236,10 @@ class SimLearner:
                 self.conn = None
 
     def _arrived(self, update: dict) -> None:
+        # As net/client.py: a whole copy supersedes whatever arrived before it, even a newer version
+        # (a syncer restarted from an older checkpoint: what the learner holds beyond it is lost).
         current = self.inbox.updates.get(update["fragment"])
-        if current is None or update["version"] >= current["version"]:
+        if current is None or update["whole"] or update["version"] >= current["version"]:
             self.inbox.updates[update["fragment"]] = update
 
     def _send(self, message: Message) -> None:

@@ -224,7 +224,7 @@ class SimSyncer:
         wire_bytes = values.nbytes
         values = np.array(self.state.fragments[fragment].published, dtype=np.float32)
         self.checker.sent(fragment, version, name, values, self.scheduler.now)
-        body = {"fragment": fragment, "version": version, "values": values}
+        body = {"fragment": fragment, "version": version, "values": values, "whole": base_version < 0}
         for conn_id in conns:
             conn = self.network.conns.get(conn_id)
             if conn is not None:

@@ -51,6 +51,15 @@ def test_the_client_as_it_is_lets_progress_overtake_a_local_state():
     assert run_seed(18).passed  # the local state as a barrier on its connection
 
 
+def test_a_whole_copy_after_a_syncer_restart_supersedes_a_newer_version_held():
+    # Seed 234: the syncer restarts from a checkpoint one version of fragment 1 older than a version a
+    # learner had received and not yet applied. The welcome's whole copy must replace it in the inbox,
+    # as in net/client.py; a simulated learner that kept the newer one pushed from a version the
+    # restarted syncer never made, and its snapshot held it.
+    result = run_seed(234)
+    assert result.passed, f"{result.failure}: {result.detail}"
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="safety_s"):
         ChaosConfig(safety_s=0.5)
