@@ -123,7 +123,12 @@ def test_quorum_one_without_timing_merges_at_once_with_reason():
     assert 2 in h.state.fragments[1].kept
     h.progress(1, 2)
     assert not h.of(Merged, h.progress(1, 3))  # the next round of fragment 1 opens with it, waits for learner 1
-    (merged,) = h.of(Merged, h.push(1, 1, 3, base=1))
+    on_time = h.push(1, 1, 3, base=1)
+    # Learner 2's waiting push is late: it is merged, but it does not count as learner 2 having
+    # delivered, so the round waits out its grace window for an on-time push of learner 2.
+    assert not h.of(Merged, on_time)
+    (timer,) = h.of(ArmTimer, on_time)
+    (merged,) = h.of(Merged, h.send(TimerFired(timer.fragment, timer.round), dt=timer.at - h.now))
     assert merged.learners == (1, 2) and merged.version == 2
     assert h.state.ledger.totals["merged_late"] == 100 and h.state.late_pushes == {"carried": 1, "rejected": 0}
     assert "1 late, discounted" in h.state.decisions[-1].reason
@@ -607,4 +612,37 @@ def test_a_learner_reporting_versions_behind_is_sent_the_fragment_whole_once_per
     previous = {e.fragment: e.version for e in sent}
     assert newer and set(newer) <= {e.fragment for e in again}  # a newer version: sent again
     assert all(e.version > previous[e.fragment] for e in again)  # and only a newer one
+    h.state.ledger.check()
+
+
+def test_late_pushes_ride_along_but_never_close_a_round():
+    h = Harness(quorum=1, grace=GraceConfig(gamma=0.5, grace_ms_max=1000.0, overlap=2))
+    two_live(h)
+    measure_timing(h)
+    fragment, rnd = open_round(h, 4)
+    v = h.state.fragments[fragment].version
+    (timer,) = h.of(ArmTimer, h.push(1, fragment, rnd, dt=0.01))
+    (merged,) = h.of(Merged, h.send(TimerFired(fragment, rnd), dt=timer.at - h.now))
+    assert merged.learners == (1,)  # learner 2 missed the window
+    # Both learners then push from version v, which is one behind now: learner 2 its first push,
+    # learner 1 an increment over the push just merged. Both are late and wait for the next round.
+    h.push(2, fragment, rnd, base=v)
+    h.push(1, fragment, rnd, base=v, steps=2, tokens=200)
+    assert set(h.state.fragments[fragment].kept) == {1, 2}
+    # The next round of the fragment opens with every asked learner's push waiting, all of them late:
+    # they count neither for the quorum nor as delivered, so the round stays open for on-time pushes
+    # (counting them closed each round as it opened, and every push was merged a version late).
+    assert open_round(h, 5)[0] != fragment  # the other fragment's round
+    h.effects.clear()
+    nxt_fragment, nxt = open_round(h, 6)
+    assert nxt_fragment == fragment and h.state.fragments[fragment].open is not None
+    assert not h.of(Merged, h.effects) and h.state.fragments[fragment].version == v + 1
+    # An on-time push of learner 1 (summed with its late one) makes the quorum; the window waits for
+    # learner 2, whose on-time push (summed with its late one) closes the round early.
+    eff = h.push(1, fragment, nxt, dt=0.01)
+    assert not h.of(Merged, eff) and h.of(ArmTimer, eff)
+    (merged,) = h.of(Merged, h.push(2, fragment, nxt, dt=0.01))
+    assert merged.learners == (1, 2) and merged.version == v + 2
+    assert "every asked learner delivered within the grace window" in h.state.decisions[-1].reason
+    assert "2 late, discounted" in h.state.decisions[-1].reason
     h.state.ledger.check()
