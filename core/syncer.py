@@ -135,10 +135,6 @@ class FragmentState:
     # Admitted pushes that arrived while no round of the fragment was open (or whose round was
     # skipped): they join its next round. learner -> push; not in a checkpoint (like an open round).
     kept: dict[int, Push] = field(default_factory=dict)
-    # learner -> the base version of its newest push waiting (in `open` or `kept`): a push joined with
-    # an older one waiting takes the older base (`_joined_pushes`), but whether the learner delivered
-    # on time is decided by its newest (`_on_time`). Not in a checkpoint, as the pushes are not.
-    newest_base: dict[int, int] = field(default_factory=dict)
     # float32[padded], what every learner following the broadcast holds of `version` (core.publish);
     # None while theta is
     published: np.ndarray | None = None
@@ -521,7 +517,6 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
     if books:
         state.ledger.hold(ev.learner, ev.fragment, ev.tokens)
     ev = _increment(rec, ev)
-    frag.newest_base[ev.learner] = ev.base_version
     if older is not None:
         # A push holds only what the learner trained since its previous push of the fragment
         # (docs/protocol.md, "Learner-driven pushes"), so an older one still waiting is not part of
@@ -651,38 +646,40 @@ def _after_delivery(state: SyncerState, p: int, now: float, out: list[Effect]) -
     pushes only (`_on_time`): a late push rides along, it never closes a round."""
     frag = state.fragments[p]
     rnd = frag.open
-    delivered = [m for m, push in rnd.pushes.items() if push.weight > 0 and _on_time(frag, m)]
+    delivered = [m for m, push in rnd.pushes.items() if push.weight > 0 and _on_time(state, p, m)]
     if len(delivered) < state.config.quorum:
         return
     if rnd.quorum_at is None:
         rnd.quorum_at = now
         state.timing = observe(state.timing, state.config.grace, quorum_s=now - rnd.opened_at)
         rnd.grace_s, why = grace_seconds(state.timing, state.config.grace)
-        if rnd.grace_s > 0 and not _all_delivered(state, frag):
+        if rnd.grace_s > 0 and not _all_delivered(state, p):
             out.append(ArmTimer(p, rnd.number, now + rnd.grace_s))
             return
         _close_round(state, p, now, out, why=why if rnd.grace_s == 0 else "every asked learner delivered")
-    elif _all_delivered(state, frag):
+    elif _all_delivered(state, p):
         _close_round(state, p, now, out, why="every asked learner delivered within the grace window")
 
 
-def _on_time(frag: FragmentState, learner: int) -> bool:
-    """Whether the learner's newest push waiting for the fragment's round was computed from the
-    version the round merges onto. A push from an older version (late: carried from an earlier
-    round, or sent before the learner held the newest) is merged, discounted, but it counts neither
-    for the quorum nor for "every learner delivered": the late pushes of the round before would then
-    close each round as it opens, before any learner could push from its newest version, and every
-    push would be merged one version late from then on (docs/algorithm.md, "Late pushes")."""
-    return frag.newest_base.get(learner) == frag.version
+def _on_time(state: SyncerState, p: int, learner: int) -> bool:
+    """Whether the learner's newest admitted push of fragment p (`LearnerRecord.pushed`: a push summed
+    into an older one waiting takes the older one's base, but its own is recorded there) was computed
+    from the version p's round merges onto. A push from an older version (late: carried from an
+    earlier round, or sent before the learner held the newest) is merged, discounted, but it counts
+    neither for the quorum nor for "every learner delivered": the late pushes of the round before
+    would then close each round as it opens, before any learner could push from its newest version,
+    and every push would be merged one version late from then on (docs/algorithm.md, "Late pushes")."""
+    last = state.learners[learner].pushed.get(p)
+    return last is not None and last[0] == state.fragments[p].version
 
 
-def _all_delivered(state: SyncerState, frag: FragmentState) -> bool:
-    """Every live learner asked in the fragment's open round has delivered an on-time push."""
-    rnd = frag.open
+def _all_delivered(state: SyncerState, p: int) -> bool:
+    """Every live learner asked in fragment p's open round has delivered an on-time push."""
+    rnd = state.fragments[p].open
     waiting = [
         m
         for m in rnd.asked
-        if state.learners[m].status is LearnerStatus.LIVE and not (m in rnd.pushes and _on_time(frag, m))
+        if state.learners[m].status is LearnerStatus.LIVE and not (m in rnd.pushes and _on_time(state, p, m))
     ]
     return not waiting
 
@@ -715,7 +712,6 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
     if len(positive) < state.config.quorum:
         # Nothing merged: the pushes are as good for the next round of the fragment as they were for this.
         frag.kept = kept | frag.kept
-        frag.newest_base = {m: b for m, b in frag.newest_base.items() if m in frag.kept}
         _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{state.config.quorum} ({why})", out)
         return
     spec = state.layout.fragments[p]
@@ -727,7 +723,6 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
         if late and push.weight > 0:
             _count_late(state, "carried", now, out)
     frag.version += 1
-    frag.newest_base = {m: b for m, b in frag.newest_base.items() if m in frag.kept}  # the merged are gone
     body, block = publishing.publish(frag.published, frag.theta, state.config.broadcast_codec, state.layout.block)
     frag.delta = publishing.Delta(state.config.broadcast_codec, block, frag.version - 1, body)
     state.merges += 1
@@ -824,7 +819,7 @@ def _on_disconnect(state: SyncerState, ev: Disconnect, now: float, out: list[Eff
         _hand_over_init(state, out)
     # Its delivered pushes stay valid; rounds that only waited for it may close now.
     for p, frag in enumerate(state.fragments):
-        if frag.open is not None and frag.open.quorum_at is not None and _all_delivered(state, frag):
+        if frag.open is not None and frag.open.quorum_at is not None and _all_delivered(state, p):
             _close_round(state, p, now, out, why=f"learner {rec.id} left, every other asked learner delivered")
 
 
