@@ -57,6 +57,7 @@ CALLS = {
     ),
     "quantize_delta_int4": lambda m, d: m.quantize_delta_int4(d["x"], d["theta"], d["residual"], BLOCK),
     "apply_delta_int4": lambda m, d: m.apply_delta_int4(d["theta"], d["buf"], d["codes"], d["scales"], BLOCK),
+    "add_delta_apart_int4": lambda m, d: m.add_delta_apart_int4(d["x"], d["theta"], d["codes"], d["scales"], BLOCK),
 }
 
 

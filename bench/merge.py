@@ -324,8 +324,9 @@ def _round_cases(n: int, rng: np.random.Generator, theta: np.ndarray, buf: np.nd
 
 def _learner_cases(n: int, rng: np.random.Generator) -> list[_Case]:
     """The learner's side: its outer gradient encoded with error feedback, and an arrived int4 delta
-    applied, each one pass (on the pool, as on a learner host with cores to spare), against the path
-    of numpy expressions around the single kernels that the learner hook runs today."""
+    applied onto its published copy with the difference to the kept progress's anchor, each one pass
+    (on the pool, as on a learner host with cores to spare), against the same done with numpy
+    expressions around the single kernels."""
     block = kernels.BLOCK_DEFAULT
     int4_bytes = 1 / 2 + 4 / block
     k = kernels
@@ -333,7 +334,6 @@ def _learner_cases(n: int, rng: np.random.Generator) -> list[_Case]:
     theta = base - rng.standard_normal(n, dtype=np.float32) * np.float32(0.01)
     residual = rng.standard_normal(n, dtype=np.float32) * np.float32(0.001)
     codes, scales = k.quantize_int4(base - theta, block)
-    theta2, base2 = theta.copy(), base.copy()
 
     def encode_composed() -> None:
         target = (base - theta) + residual
@@ -341,9 +341,9 @@ def _learner_cases(n: int, rng: np.random.Generator) -> list[_Case]:
         _ = target - k.dequantize_int4(c, sc, block)
 
     def apply_composed() -> None:
-        d = k.dequantize_int4(codes, scales, block)
-        np.add(theta2, d, out=theta2)
-        np.add(base2, d, out=base2)
+        published = base.copy()
+        k.add_delta_int4(published, codes, scales, block)
+        _ = published - theta
 
     return [
         # base, theta and residual read; codes, scales and the new residual written
@@ -361,11 +361,12 @@ def _learner_cases(n: int, rng: np.random.Generator) -> list[_Case]:
             None,
             None,
         ),
-        # the delta read; theta and base read and written
+        # the delta, the published copy it goes onto and the kept progress's anchor read; the new
+        # published copy and its difference to the anchor written
         _Case(
-            "learner apply int4 delta",
+            "learner apply int4 delta + kept progress",
             int4_bytes + 16,
-            lambda: k.apply_delta_int4(theta2, base2, codes, scales, block),
+            lambda: k.add_delta_apart_int4(base, theta, codes, scales, block),
             apply_composed,
             None,
         ),

@@ -21,7 +21,7 @@ import numpy as np
 from ddiloco import kernels
 from ddiloco.core import codec as codecs
 
-__all__ = ["BROADCAST_CODECS", "Delta", "apply", "publish", "warm_up"]
+__all__ = ["BROADCAST_CODECS", "Delta", "apply", "apply_apart", "publish", "warm_up"]
 
 BROADCAST_CODECS = (codecs.Codec.INT4, codecs.Codec.BF16, codecs.Codec.FP32)  # the first is the default
 
@@ -73,6 +73,18 @@ def apply(published: np.ndarray, delta: codecs.Encoded, *, parallel: bool = True
         published += delta.data
 
 
+def apply_apart(
+    onto: np.ndarray, delta: codecs.Encoded, anchor: np.ndarray, *, parallel: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """A learner's side, as new arrays: (published, difference), published the bits `apply` leaves
+    in a copy of `onto` and difference = published - anchor; int4 in one pass over the fragment."""
+    if delta.codec is codecs.Codec.INT4:
+        return kernels.add_delta_apart_int4(onto, anchor, delta.data, delta.scales, delta.block, parallel=parallel)
+    published = onto.copy()
+    apply(published, delta, parallel=parallel)
+    return published, published - anchor
+
+
 def warm_up(block: int = kernels.BLOCK_DEFAULT) -> None:
     """Compile (or load from numba's cache) the kernels a learner applies deltas with, serial and
     parallel drivers alike, before it joins (see codec.warm_up: a kernel compiled on first use holds
@@ -83,7 +95,9 @@ def warm_up(block: int = kernels.BLOCK_DEFAULT) -> None:
         for c in BROADCAST_CODECS:
             body, b = publish(published, theta, c, block)
             for parallel in (True, False):
-                apply(published.copy(), codecs.from_body(c, b, n, memoryview(body).cast("B")), parallel=parallel)
+                delta = codecs.from_body(c, b, n, memoryview(body).cast("B"))
+                apply(published.copy(), delta, parallel=parallel)
+                apply_apart(published, delta, theta, parallel=parallel)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ codec work beside its training step); results are the same bits either way (see 
 A round's merge has fused kernels (round_mean*, rda_accumulate_round*, nesterov_step_segments) that
 read every contribution once, and the learner has one-pass encode and apply (quantize_delta_int4,
 apply_delta_int4); the int4 broadcast has its one-pass publish and the learner's apply of it
-(publish_delta_int4, add_delta_int4). `ddiloco.kernels.reference` holds a plain-numpy version of each with the same signature.
+(publish_delta_int4, add_delta_int4, and add_delta_apart_int4 with the progress a learner keeps). `ddiloco.kernels.reference` holds a plain-numpy version of each with the same signature.
 """
 
 import importlib
@@ -33,6 +33,7 @@ _LAZY = {
     "accumulate_int1": "_lowbit",
     "accumulate_int2": "_lowbit",
     "accumulate_int4": "_lowbit",
+    "add_delta_apart_int4": "_lowbit",
     "add_delta_int4": "_lowbit",
     "apply_delta_int4": "_lowbit",
     "dequantize_int1": "_lowbit",
@@ -90,6 +91,7 @@ __all__ = [
     "accumulate_int1",
     "accumulate_int2",
     "accumulate_int4",
+    "add_delta_apart_int4",
     "add_delta_int4",
     "all_finite",
     "apply_delta_int4",

@@ -495,6 +495,46 @@ def _add_published_blocks(published, codes, scales, block, cb, set_):
             pb[j] += d[j]
 
 
+@njit(nogil=True, inline="always")
+def _add_published_apart_blocks(onto, anchor, published, difference, codes, scales, block, cb, set_):
+    # published = onto + decode(codes, scales), the same f32 additions as _add_published_blocks, and
+    # difference = published - anchor in the same pass: a learner's arriving version and the
+    # progress it keeps over it, with onto and anchor read once
+    d = np.empty(block, np.float32)
+    for k in range(scales.size):
+        set_(d, codes[k * cb : (k + 1) * cb], scales[k])
+        lo = k * block
+        ob = onto[lo : lo + block]
+        ab = anchor[lo : lo + block]
+        pb = published[lo : lo + block]
+        db = difference[lo : lo + block]
+        for j in range(block):
+            v = ob[j] + d[j]
+            pb[j] = v
+            db[j] = v - ab[j]
+
+
+@njit(nogil=True, cache=True)
+def _add_published_apart_serial(onto, anchor, published, difference, codes, scales, block):
+    _add_published_apart_blocks(onto, anchor, published, difference, codes, scales, block, block // 2, _set4)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _add_published_apart_parallel(onto, anchor, published, difference, codes, scales, block, bounds):
+    for s in prange(bounds.size - 1):
+        a = bounds[s]
+        b = bounds[s + 1]
+        _add_published_apart_serial(
+            onto[a:b],
+            anchor[a:b],
+            published[a:b],
+            difference[a:b],
+            codes[a // 2 : b // 2],
+            scales[a // block : b // block],
+            block,
+        )
+
+
 @njit(nogil=True, cache=True)
 def _publish_serial(published, theta, codes, scales, block):
     return _publish_blocks(published, theta, codes, scales, block, block // 2, _quantize4_publish)
@@ -701,6 +741,24 @@ class BlockCodec:
         else:
             _add_published_parallel(published, codes, scales, block, bounds)
 
+    def add_delta_apart(
+        self, onto: object, anchor: object, codes: object, scales: object, block: object, parallel: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        assert self.bits == 4, "the broadcast delta is int4 only"
+        onto = _checks.vector("onto", onto, np.float32)
+        anchor = _checks.vector("anchor", anchor, np.float32)
+        _checks.length("anchor", anchor, onto.size)
+        block, _, codes, scales = _checks.coded(codes, scales, block, self.per_byte, onto.size)
+        published = np.empty(onto.size, dtype=np.float32)
+        difference = np.empty(onto.size, dtype=np.float32)
+        args = (onto, anchor, published, difference, codes, scales, block)
+        bounds = thread_bounds(onto.size, block, parallel)
+        if bounds is None:
+            _add_published_apart_serial(*args)
+        else:
+            _add_published_apart_parallel(*args, bounds)
+        return published, difference
+
     def round_mean(
         self,
         theta: object,
@@ -887,6 +945,22 @@ def add_delta_int4(
     """A learner's side of the broadcast: published += dequantize_int4(codes, scales) in place, the same
     float32 additions as publish_delta_int4 makes, so both copies hold the same bits."""
     INT4.add_delta(published, codes, scales, block, parallel)
+
+
+def add_delta_apart_int4(
+    onto: np.ndarray,
+    anchor: np.ndarray,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    block: int = _DEFAULT,
+    *,
+    parallel: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A learner's arriving int4 version in one pass, as new arrays: (published, difference) with
+    published = onto + dequantize_int4(codes, scales), the bits add_delta_int4 leaves in a copy of
+    onto, and difference = published - anchor (the progress kept since anchor, added to the
+    parameters). onto and anchor are left as they are."""
+    return INT4.add_delta_apart(onto, anchor, codes, scales, block, parallel)
 
 
 def round_mean_int4(

@@ -57,6 +57,7 @@ def _run_all(n: int) -> None:
     # the broadcast's publish and a learner's apply of it
     _lowbit.publish_delta_int4(acc, x, BLOCK_DEFAULT)
     _lowbit.add_delta_int4(acc, codes, scales, BLOCK_DEFAULT)
+    _lowbit.add_delta_apart_int4(acc, x, codes, scales, BLOCK_DEFAULT)
 
 
 def warmup() -> None:

@@ -295,11 +295,17 @@ def add_delta_int4(published, codes, scales, block=BLOCK_DEFAULT) -> None:
     published += dequantize_int4(codes, scales, block)
 
 
+def add_delta_apart_int4(onto, anchor, codes, scales, block=BLOCK_DEFAULT):
+    published = onto + dequantize_int4(codes, scales, block)
+    return published, published - anchor
+
+
 __all__ = [
     "accumulate",
     "accumulate_int1",
     "accumulate_int2",
     "accumulate_int4",
+    "add_delta_apart_int4",
     "add_delta_int4",
     "all_finite",
     "apply_delta_int4",

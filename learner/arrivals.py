@@ -24,6 +24,7 @@ __all__ = [
     "Prefetched",
     "Reached",
     "apply_update",
+    "apply_update_kept",
     "defer",
     "forget",
     "kept_progress",
@@ -141,6 +142,18 @@ def received(frag: FragmentSync, version: int, published: np.ndarray, kept: Kept
     with the progress `kept` over it, if any, counted as carried."""
     new = frag.received(version, published, published)
     return new if kept is None else new._replace(steps=kept.steps, tokens=kept.tokens, carried=kept.tokens)
+
+
+def apply_update_kept(
+    onto: np.ndarray | None, update: session.UpdateInfo, anchor: np.ndarray | None, parallel: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """`apply_update`, and the difference published - anchor that puts the progress kept since
+    `anchor` over it (None without an anchor); a delta's in one pass (core.publish.apply_apart)."""
+    if anchor is None or update.whole:
+        published = apply_update(onto, update, parallel)
+        return published, None if anchor is None else published - anchor
+    assert onto is not None, "a delta applies onto a published copy"
+    return publishing.apply_apart(onto, update.encoded, anchor, parallel=parallel)
 
 
 def apply_update(onto: np.ndarray | None, update: session.UpdateInfo, parallel: bool) -> np.ndarray:

@@ -203,8 +203,7 @@ class Background:
         else:
             return  # not onto what the hook will hold: it decodes the update itself
         anchor, place = (known[2], known[3]) if known is not None else (None, None)
-        published = arrivals.apply_update(onto, update, False)
-        difference = None if anchor is None else published - anchor
+        published, difference = arrivals.apply_update_kept(onto, update, anchor, False)
         placed = None if difference is None or place is None else place(difference)
         with self._lock:
             self._onto[q] = (update.version, published, anchor, place)

@@ -235,3 +235,20 @@ def _timer(shell, p):
     """The grace timer of fragment p's open round (a no-op event once the round closed)."""
     rnd = shell.state.fragments[p].open
     return TimerFired(p, rnd.number if rnd is not None else -1)
+
+
+@pytest.mark.parametrize("name", ["int4", "bf16", "fp32"])
+def test_apply_apart_holds_the_bits_of_apply_and_the_progress_kept_since_the_anchor(name):
+    rng = np.random.default_rng(7)
+    n = 4 * 128
+    onto = rng.standard_normal(n).astype(np.float32)
+    theta = onto + (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    anchor = onto - (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    published = onto.copy()
+    body, block = publish.publish(published, theta, codec.Codec(name), 128)
+    delta = codec.from_body(codec.Codec(name), block, n, memoryview(body).cast("B"))
+    before = onto.copy()
+    got, difference = publish.apply_apart(onto, delta, anchor, parallel=False)
+    assert got.tobytes() == published.tobytes()  # what the syncer published, bit for bit
+    assert difference.tobytes() == (published - anchor).tobytes()
+    assert onto.tobytes() == before.tobytes()

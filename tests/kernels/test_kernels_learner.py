@@ -125,3 +125,33 @@ def test_publish_delta_refuses_bad_calls():
     codes, scales = kernels.quantize_int4(x)
     with pytest.raises(kernels.KernelInputError):
         kernels.add_delta_int4(x[:128].copy(), codes, scales)
+
+
+@SETTINGS
+@given(fragments(), st.booleans())
+def test_add_delta_apart_is_add_delta_onto_a_copy_and_the_difference_to_the_anchor(case, parallel):
+    onto, anchor, _, block = case
+    theta = onto + np.float32(0.5) * (anchor - onto)
+    codes, scales = kernels.quantize_int4(theta - onto, block)
+    before = (onto.copy(), anchor.copy())
+    published, difference = kernels.add_delta_apart_int4(onto, anchor, codes, scales, block, parallel=parallel)
+    want = onto.copy()
+    kernels.add_delta_int4(want, codes, scales, block, parallel=False)
+    np.testing.assert_array_equal(published.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(difference.view(np.uint32), (want - anchor).view(np.uint32))
+    ref_published, ref_difference = reference.add_delta_apart_int4(onto, anchor, codes, scales, block)
+    np.testing.assert_array_equal(published.view(np.uint32), ref_published.view(np.uint32))
+    np.testing.assert_array_equal(difference.view(np.uint32), ref_difference.view(np.uint32))
+    for a, b in zip(before, (onto, anchor)):
+        np.testing.assert_array_equal(a, b)  # inputs untouched
+
+
+def test_add_delta_apart_refuses_bad_calls():
+    x = np.ones(256, dtype=np.float32)
+    codes, scales = kernels.quantize_int4(x)
+    with pytest.raises(kernels.KernelInputError, match="anchor must have 256"):
+        kernels.add_delta_apart_int4(x, x[:128], codes, scales)
+    with pytest.raises(kernels.KernelInputError, match="onto must have dtype float32"):
+        kernels.add_delta_apart_int4(x.astype(np.float64), x, codes, scales)
+    with pytest.raises(kernels.KernelInputError, match="scales must have 2"):
+        kernels.add_delta_apart_int4(x, x.copy(), codes, scales[:1])
