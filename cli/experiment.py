@@ -34,6 +34,7 @@ NAMES = (
     "hetero",
     "scavenge",
     "demo-settings",
+    "demo-gap",
 )
 SEEDS_MAX = 100
 

@@ -73,6 +73,7 @@ class RunConfig:
     codec: str = "int4"
     error_feedback: bool = False  # int4 with a residual kept per fragment on the learner (ours)
     alpha: float = 0.0  # how an arrived fragment is mixed into the learner's (SyncConfig.alpha)
+    keep_progress: bool = True  # keep what a learner trained since its push over an arriving version (SyncConfig)
     step_s: float = 1.0
     step_noise: float = 0.0  # relative spread of each step's duration (lognormal sigma)
     network: NetworkModel = field(default_factory=NetworkModel)
@@ -201,6 +202,7 @@ class _Learner:
             codec=self.run.cfg.codec,
             error_feedback=self.run.cfg.error_feedback,
             alpha=self.run.cfg.alpha,
+            keep_progress=self.run.cfg.keep_progress,
         )
         self.sync = DilocoSync.connect(self.params, sync_cfg, transport=self.transport)
         self.transport.flush()  # the initial parameters, when this learner was asked for them

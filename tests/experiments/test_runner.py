@@ -336,6 +336,19 @@ def _demo_settings_order(arms: dict, steps: int) -> None:
     assert _per_seed(arms, "DP, 2x tokens", "wall_s") == [2 * w for w in _per_seed(arms, "DP", "wall_s")]
 
 
+def _demo_gap_order(arms: dict, steps: int) -> None:
+    assert list(arms) == [
+        "DP",
+        "the demo (K = 1)",
+        "K = 4: every push on time",
+        "K = 4, overwrite (no progress carried)",
+    ]
+    # an overwrite books what a learner trained since its push as lost; carrying it over loses nothing
+    kept = _per_seed(arms, "K = 4: every push on time", "goodput")
+    overwritten = _per_seed(arms, "K = 4, overwrite (no progress carried)", "goodput")
+    assert all(o <= k for o, k in zip(overwritten, kept, strict=True))
+
+
 ORDERS = {
     "dp-vs-decoupled": _dp_vs_decoupled_order,
     "failures": _failures_order,
@@ -345,6 +358,7 @@ ORDERS = {
     "hetero": _hetero_order,
     "scavenge": _scavenge_order,
     "demo-settings": _demo_settings_order,
+    "demo-gap": _demo_gap_order,
 }
 
 
