@@ -216,6 +216,7 @@ class SimSyncer:
         values: np.ndarray,
         base_version: int = -1,
         block: int = 0,
+        global_step: int = 0,
     ) -> None:
         # The view is valid only until the next handle(): copy it, as the daemon copies it into frames.
         # A simulated learner gets what a real one reconstructs, the published copy (a delta applied
@@ -224,7 +225,13 @@ class SimSyncer:
         wire_bytes = values.nbytes
         values = np.array(self.state.fragments[fragment].published, dtype=np.float32)
         self.checker.sent(fragment, version, name, values, self.scheduler.now)
-        body = {"fragment": fragment, "version": version, "values": values, "whole": base_version < 0}
+        body = {
+            "fragment": fragment,
+            "version": version,
+            "values": values,
+            "whole": base_version < 0,
+            "global_step": global_step,
+        }
         for conn_id in conns:
             conn = self.network.conns.get(conn_id)
             if conn is not None:

@@ -63,7 +63,7 @@ from ddiloco.core.schedule import Schedule
 from ddiloco.core.shards import owned, owner
 from ddiloco.core.weights import TOKENS_MAX
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # net.wire.PROTOCOL_VERSION: the core speaks the version the wire carries
 PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spare cover failures
 # The most one progress report may move a learner's step past both its last report and the global
 # step (a (re)joining learner starts counting from the global step of its welcome). A learner reports

@@ -169,6 +169,7 @@ class Hub:
         values,
         base_version: int = -1,
         block: int = 0,
+        global_step: int = 0,
     ) -> None:
         # Copied into frames now, between two core calls (as the daemon does); the merge cost delays them.
         frames = session.update_frames(
@@ -180,6 +181,7 @@ class Hub:
             self.limits,
             base_version=base_version,
             block=block,
+            global_step=global_step,
         )
         for conn_id in conns:
             self._send_down(self._conns[conn_id], frames, extra_s=self.network.merge_s)

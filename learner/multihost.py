@@ -6,7 +6,7 @@ A learner may be one JAX program over N processes (`jax.distributed`), its param
 collectives the hook's work needs, in the same order:
 
     every step       the leader peeks at what arrived (updates, a new welcome, snapshot markers),
-                     asks its hook which fragments are due to be pushed (`DilocoSync.due_next`),
+                     asks its hook which fragments it may push (`DilocoSync.due_taking`),
                      and broadcasts a header: int32[3 + P], the step, flags, which
                      fragments it must read (one small broadcast; the only cost of a quiet step)
     fragments read   an all-gather of those fragments' leaves (`process_allgather`), so the leader
@@ -419,7 +419,7 @@ class MultiProcessSync:
         gather_all = bool(markers) or (rejoin and welcome is not None and welcome.needs_init)
         gather = set()
         if not rejoin:  # a new session starts no push at its first step (DilocoSync.step)
-            gather |= set(self.sync.due_next)
+            gather |= set(self.sync.due_taking(updates))
         # Held back a call (DilocoSync.step); a new welcome voids those of the fragments it speaks
         # for (every fragment, or one shard's of a sharded syncer).
         voided = set(welcome.owned) if rejoin and welcome is not None else set()

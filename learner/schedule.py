@@ -14,7 +14,17 @@ from ddiloco.core import shards
 from ddiloco.learner.fragment import FragmentSync
 from ddiloco.net import session
 
-__all__ = ["Schedule", "due_fragments", "holds_shard_of", "rescheduled", "scheduled_at", "schedule_of", "serves_any"]
+__all__ = [
+    "Schedule",
+    "caught_up",
+    "due_fragments",
+    "holds_shard_of",
+    "newest_global_step",
+    "rescheduled",
+    "scheduled_at",
+    "schedule_of",
+    "serves_any",
+]
 
 
 def due_fragments(period: int, offsets: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
@@ -67,3 +77,25 @@ def serves_any(schedule: Schedule, versions: tuple[int, ...]) -> bool:
     if min(versions) >= 0:  # every fragment held: the case at every step but the first
         return True
     return any(all(versions[p] >= 0 for p in shard) for shard in schedule.shard_of)
+
+
+def newest_global_step(updates: Mapping[int, list[session.UpdateInfo]]) -> int:
+    """The newest global step the syncer (or any of its shards) sent with these updates; -1: none."""
+    return max((u.global_step for chain in updates.values() for u in chain), default=-1)
+
+
+def caught_up(
+    schedule: Schedule, fragments: tuple[FragmentSync, ...], step: int, global_step: int
+) -> tuple[int, tuple[int, ...]]:
+    """(the step to count from, the fragments due at the steps skipped): a learner at `step` that
+    hears of the syncer's `global_step` further on moves up to it. Learners push at their own step of
+    the schedule while the syncer opens a fragment's round at the global step (the fastest learners'),
+    so a learner whose steps fall behind would push after the round closed, late, and be merged a
+    version later and discounted (docs/algorithm.md, "Late pushes"). Moved up, it pushes the
+    fragments due in between now, into the rounds that are open, with the steps it has trained."""
+    if global_step <= step:
+        return step, ()
+    due: list[int] = []
+    for s in range(step + 1, step + 1 + min(global_step - step, schedule.period)):
+        due.extend(q for q in scheduled_at(schedule, fragments, s) if q not in due)
+    return global_step, tuple(due)

@@ -400,6 +400,15 @@ class DilocoSync:
         waits = lambda q: pushes.waits_on_push(self._pushes, q, self.fragments[q].version, skips_max)
         return tuple(q for q in self._scheduled_next() if not waits(q))
 
+    def due_taking(self, updates: dict[int, list[session.UpdateInfo]]) -> tuple[int, ...]:
+        """The fragments the next call of `step` may push when it takes `updates` (so whose leaves it
+        reads): those due next, those that fell due at the steps it skips moving up to the global
+        step the updates carry (`learner.schedule.caught_up`), and those whose version arrives (a
+        push held back behind it goes out in the same call). A superset: some may stay held back."""
+        global_step = scheduling.newest_global_step(updates)
+        _, behind = scheduling.caught_up(self._schedule, self.fragments, self.step_count + 1, global_step)
+        return tuple(dict.fromkeys(self.due_next + behind + tuple(sorted(updates))))
+
     def _scheduled_next(self) -> tuple[int, ...]:
         return scheduling.scheduled_at(self._schedule, self.fragments, self.step_count + 1)
 
@@ -447,6 +456,10 @@ class DilocoSync:
             self.welcomes_seen = welcomes
             self._rejoin(params, welcome)
             scheduled = ()  # the schedule was of the old session
+        if updates:  # behind the syncer's global step: move up to it (learner.schedule.caught_up)
+            global_step = scheduling.newest_global_step(updates)
+            self.step_count, behind = scheduling.caught_up(self._schedule, self.fragments, self.step_count, global_step)
+            scheduled += tuple(q for q in behind if q not in scheduled)
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
         if errors:  # a refused push comes back as no version: the next due step pushes (its increment)
@@ -461,6 +474,12 @@ class DilocoSync:
             self._pushes = pushes.started(self._pushes, self._start_push(params, q))
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
+            # Due, but held back behind a push whose version came back in this very call: pushed now,
+            # from that version (the progress since the push), into the round that is open, rather
+            # than a period later.
+            for q in held:
+                if not pushes.waits_on_push(self._pushes, q, self.fragments[q].version, self.config.push_skips_max):
+                    self._pushes = pushes.started(self._pushes, self._start_push(params, q))
         report = progress_report(self.step_count, self.fragments)
         if scheduling.serves_any(self._schedule, report.versions):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold

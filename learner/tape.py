@@ -122,9 +122,10 @@ class LearnerTapeWriter(recording.RecordWriter):
             {
                 "type": "take",
                 "call": call,
-                # [fragment, version, payload, base version] per update, in arrival order
+                # [fragment, version, payload, base version, the syncer's global step] per update,
+                # in arrival order
                 "updates": [
-                    [q, u.version, self._value(u.encoded), u.base_version]
+                    [q, u.version, self._value(u.encoded), u.base_version, u.global_step]
                     for q, chain in sorted(updates.items())
                     for u in chain
                 ],
@@ -189,8 +190,10 @@ class LearnerTape:
         out = {}
         for r in self.of("take"):
             updates: dict[int, list[session.UpdateInfo]] = {}
-            for q, v, ref, *base in r["updates"]:  # a tape of protocol 1 has no base version: whole
-                info = session.UpdateInfo(q, v, self.encoded(ref["$payload"]), base[0] if base else -1)
+            # A tape of protocol 1 has no base version (whole), one of protocol 2 no global step.
+            for q, v, ref, *rest in r["updates"]:
+                base, global_step = (list(rest) + [-1, -1])[:2]
+                info = session.UpdateInfo(q, v, self.encoded(ref["$payload"]), base, global_step)
                 updates.setdefault(q, []).append(info)
             errors = [session.ErrorInfo(*x) for x in r["errors"]]
             welcome = _welcome(r["welcome"]) if r["welcome"] else None

@@ -687,7 +687,13 @@ def _syncer_kind(rng: np.random.Generator, peer: _Hostile, fragment: int, clock:
     if pick == 2:
         values = np.zeros(peer.sizes[fragment], dtype=np.float32)
         return msg.Update(
-            fragment=fragment, version=1, codec="fp32", element_count=values.size, clock=clock, payload=values
+            fragment=fragment,
+            version=1,
+            codec="fp32",
+            element_count=values.size,
+            clock=clock,
+            global_step=0,
+            payload=values,
         )
     return msg.Welcome(
         learner_id=1,

@@ -277,6 +277,9 @@ class Update(_Body):
     # values per scale of a block codec.
     base_version: int | None = None
     block: int = 0
+    # Optional (protocol 3; omitted at 0): the syncer's global step when it sent the update. A learner
+    # behind it moves its push schedule up to it (docs/protocol.md, "Version 3").
+    global_step: int = 0
 
     def _check(self) -> None:
         _require(

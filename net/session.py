@@ -118,6 +118,9 @@ class UpdateInfo:
     version: int
     encoded: codecs.Encoded  # views into the received buffer
     base_version: int = -1  # the version a delta applies onto; -1: the published copy whole
+    # The syncer's global step when it sent the update (protocol 3); -1: not told (a tape of an
+    # older protocol). A learner behind it moves its schedule up to it (learner.schedule.caught_up).
+    global_step: int = -1
 
     @property
     def whole(self) -> bool:
@@ -299,7 +302,8 @@ def client_view(m: msg.Message) -> object:
         )
     if isinstance(m, msg.Update):
         base = -1 if m.base_version is None else m.base_version
-        return UpdateInfo(m.fragment, m.version, _encoded(m.codec.value, m.block, m.element_count, m.payload), base)
+        encoded = _encoded(m.codec.value, m.block, m.element_count, m.payload)
+        return UpdateInfo(m.fragment, m.version, encoded, base, m.global_step)
     if isinstance(m, msg.Error):
         return ErrorInfo(m.code.name.lower(), m.text, m.fatal)
     if isinstance(m, msg.Marker):
@@ -379,9 +383,11 @@ def update_frames(
     clock: dict[str, int] | None = None,
     base_version: int = -1,
     block: int = 0,
+    global_step: int = 0,
 ) -> list:
     """The frames of one fragment update (values: float32 or bf16 bits, or an int4 codec body;
-    copied into the frames). base_version -1: the published copy whole."""
+    copied into the frames). base_version -1: the published copy whole. `global_step`: the
+    syncer's when it sends the update."""
     if block:  # a block codec's body: scales and codes, its size in elements from the block
         elements = codecs.Codec(codec).elements_of_body(values.nbytes, block)
     else:
@@ -392,6 +398,7 @@ def update_frames(
         codec=codec,
         element_count=elements,
         clock=clock or {},
+        global_step=global_step,
         payload=values,
         base_version=None if base_version < 0 else base_version,
         block=block,

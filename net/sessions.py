@@ -216,6 +216,7 @@ class Sessions:
         values: np.ndarray,
         base_version: int = -1,
         block: int = 0,
+        global_step: int = 0,
     ) -> None:
         # One set of frames per call, shared by every connection. A whole copy replaces a queued
         # whole copy of the fragment that has not started to go out (net.connection); a delta is
@@ -231,6 +232,7 @@ class Sessions:
             self.recorder.vclock.as_dict(),
             base_version=base_version,
             block=block,
+            global_step=global_step,
         )
         key = fragment if base_version < 0 else None
 

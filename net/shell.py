@@ -70,10 +70,11 @@ class Link(Protocol):
         values: np.ndarray,
         base_version: int = -1,
         block: int = 0,
+        global_step: int = 0,
     ) -> None:
         """Send a fragment update to these connections: the published copy whole (base_version -1,
         fp32 values) or the delta onto the published copy of `base_version` (its codec body, block
-        0 for fp32 and bf16). `values` is a view into the core state, valid until the next core
+        0 for fp32 and bf16), with the syncer's global step now. `values` is a view into the core state, valid until the next core
         step: copy it (into frames) before returning. The updates of one connection must arrive in
         the order they are sent, none left out (a delta is never replaced by a newer one)."""
 
@@ -252,7 +253,16 @@ class Shell:
             if not group:
                 continue
             codec, version, base_version, block, values = core.update_values(self.state, p, whole)
-            self.link.send_update(group, p, codec, version, values, base_version=base_version, block=block)
+            self.link.send_update(
+                group,
+                p,
+                codec,
+                version,
+                values,
+                base_version=base_version,
+                block=block,
+                global_step=self.state.global_step,
+            )
             for c in group:
                 self.sent.setdefault(c, {})[p] = version
 

@@ -48,8 +48,10 @@ from ddiloco.net.messages import (
 )
 
 MAGIC = b"DDLC"
-PROTOCOL_VERSION = 2  # 2: learner-driven pushes and the delta broadcast (docs/protocol.md, "Version 2")
-SUPPORTED_VERSIONS = (2,)  # versions this implementation decodes
+# 2: learner-driven pushes and the delta broadcast; 3: an update carries the syncer's global step
+# (docs/protocol.md, "Version 2", "Version 3")
+PROTOCOL_VERSION = 3
+SUPPORTED_VERSIONS = (3,)  # versions this implementation decodes
 # magic, version, kind, flags, message id, chunk index, chunk count, chunk offset,
 # payload bytes, meta bytes, crc32; little-endian, no padding
 HEADER = struct.Struct("<4sBBHQIIQQII")

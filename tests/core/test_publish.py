@@ -170,7 +170,7 @@ class _Recorder:
     def send(self, conn, effect):
         pass
 
-    def send_update(self, conns, fragment, codec_name, version, values, base_version=-1, block=0):
+    def send_update(self, conns, fragment, codec_name, version, values, base_version=-1, block=0, global_step=0):
         self.updates.append((conns, fragment, codec_name, version, base_version, block, bytes(values)))
 
     def close(self, conn, reason):

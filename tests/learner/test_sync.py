@@ -408,3 +408,41 @@ def test_a_learner_that_leaves_with_its_parameters_has_every_token_it_trained_me
     is booked lost; a plain close() leaves the last step's tokens unpushed, booked lost."""
     assert _leave_and_count(threaded_syncer, with_params=True) == 0
     assert _leave_and_count(threaded_syncer, with_params=False) > 0
+
+
+def test_a_learner_behind_the_global_step_moves_up_to_it_and_pushes_into_the_open_rounds(threaded_syncer):
+    """Protocol 3: every update carries the syncer's global step (the fastest learner's at K = 1). A
+    learner whose steps fell behind moves its count up to it and pushes the fragments that fell due
+    in between at once, into the rounds that are open, instead of late into the next ones."""
+    s = threaded_syncer(num_fragments=2, period=4, quorum=1, token=TOKEN)
+    try:
+        a = {"params": model(1), "target": model(10)}
+        a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
+        b = {"params": model(2), "target": model(20)}
+        b["sync"] = DilocoSync.connect(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
+        train([a, b], 4)  # both hold every fragment
+        moves = []
+        deadline = time.monotonic() + 120
+        while not moves and time.monotonic() < deadline:
+            train([a], 8)  # a steps eight times for each step of b
+            before, held = b["sync"].step_count, b["sync"].pushes_held
+            b["params"] = b["sync"].step(inner_step(b["params"], b["target"]), tokens=128)
+            if b["sync"].step_count > before + 1:
+                moves.append((before, b["sync"].step_count, b["sync"].pushes_in_flight, b["sync"].pushes_held - held))
+        assert moves, "b never heard of a global step ahead of its own"
+        before, after, flights, newly_held = moves[0]
+        assert after <= a["sync"].step_count  # never past the syncer's global step, which is a's
+        if after - before > 4:
+            # with H = 4 and 2 fragments, 4 steps skipped hold a due step of each: each is pushed now,
+            # or held back behind its push from the version b holds (one push per base)
+            assert len(flights) + newly_held >= 2, (flights, newly_held)
+        pushes_before = s.server.state.learners[b["sync"].learner_id].pushed
+        train([b], 2)
+        rec = s.server.state.learners[b["sync"].learner_id]
+        assert rec.step >= after  # its reports continue from the step it moved up to
+        assert rec.pushed or pushes_before
+        a["sync"].close()
+        b["sync"].close()
+        s.server.state.ledger.check()
+    finally:
+        s.stop()

@@ -94,3 +94,30 @@ def test_a_learner_reports_to_a_sharded_syncer_once_it_holds_one_whole_shard():
         assert schedule.serves_any(sched, versions) == by_fragment, versions
     assert not schedule.serves_any(sched, (0, -1, -1, -1)) and schedule.serves_any(sched, (0, -1, 5, -1))
     assert not schedule.serves_any(sched, ())
+
+
+def test_a_learner_behind_the_global_step_moves_up_and_pushes_what_fell_due_in_between():
+    welcome = session.WelcomeInfo(1, {}, "ab" * 32, (0, 0, 0, 0), 0, False, period=12, offsets=(0, 3, 6, 9))
+    sched = schedule.schedule_of(welcome, 4)
+    held = (FragmentSync(version=0),) * 4
+    # at step 10 it hears of global step 14: steps 11 to 14 are skipped, fragment 0 fell due at 12
+    assert schedule.caught_up(sched, held, 10, 14) == (14, (0,))
+    assert schedule.caught_up(sched, held, 10, 16) == (16, (0, 1))
+    # not behind: nothing moves
+    assert schedule.caught_up(sched, held, 14, 14) == (14, ())
+    assert schedule.caught_up(sched, held, 20, 14) == (20, ())
+    # more than a period behind: every fragment is due once, in the order of the steps skipped
+    assert schedule.caught_up(sched, held, 4, 40) == (40, (2, 3, 0, 1))
+    # a fragment whose shard it does not serve yet is not pushed
+    assert schedule.caught_up(sched, (FragmentSync(),) + held[1:], 10, 16) == (16, ())
+
+
+def test_the_newest_global_step_of_the_updates_taken():
+    body = codec.parse(codec.encode(np.ones(8, np.float32), "fp32"))
+    updates = {
+        0: [session.UpdateInfo(0, 1, body, global_step=7), session.UpdateInfo(0, 2, body, global_step=9)],
+        2: [session.UpdateInfo(2, 1, body, global_step=8)],
+    }
+    assert schedule.newest_global_step(updates) == 9
+    assert schedule.newest_global_step({0: [session.UpdateInfo(0, 1, body)]}) == -1  # an older tape's
+    assert schedule.newest_global_step({}) == -1

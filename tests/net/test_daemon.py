@@ -498,20 +498,23 @@ def _welcome(layout_json: str) -> msg.Welcome:
     )
 
 
-async def test_a_learner_of_protocol_1_is_refused_with_both_versions_named(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+async def test_a_learner_of_an_older_protocol_is_refused_with_both_versions_named(tmp_path, version):
     s = Syncer(tmp_path)
     await s.start()
     before = syncer.state_hash(s.server.state)
     http, ws = await raw_socket(s)
     (frame,) = session.hello_frames("old", TENSORS, 1, SMALL)
     old = bytearray(frame)
-    old[4] = 1  # the header's version byte: a learner of the release before the delta broadcast
+    # the header's version byte: a learner of the release before the delta broadcast (1), or before
+    # updates carried the global step (2)
+    old[4] = version
     crc = crc32(bytes(old[wire.HEADER_BYTES :]), crc32(bytes(old[: wire.CRC_OFFSET])))
     struct.pack_into("<I", old, wire.CRC_OFFSET, crc)  # an intact frame, as that release sealed it
     await ws.send_bytes(bytes(old))
     err = await next_error(ws)
     assert err.code == msg.ErrorCode.PROTOCOL_VERSION
-    assert "protocol version 1 is not understood" in err.text and "[2]" in err.text
+    assert f"protocol version {version} is not understood" in err.text and "[3]" in err.text
     await ws.close()
     await http.close()
     assert syncer.state_hash(s.server.state) == before and not s.server.state.learners
@@ -521,7 +524,7 @@ async def test_a_learner_of_protocol_1_is_refused_with_both_versions_named(tmp_p
 async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
     def reply(_hello):
         frame = bytearray(wire.encode(_welcome("[]"), message_id=1, limits=SMALL)[0])
-        frame[4] = 3  # the header's version byte: a later release of the protocol
+        frame[4] = wire.PROTOCOL_VERSION + 1  # the header's version byte: a later release of the protocol
         return [frame]
 
     async with FakeSyncer(reply) as fake:
@@ -538,7 +541,9 @@ async def test_a_syncer_of_another_protocol_version_is_refused_not_retried():
         )
         await asyncio.wait_for(client.run(), 10)  # returns: refused for good
     assert isinstance(client.refused, SyncerRefused)
-    assert "another protocol version" in str(client.refused) and "version 3" in str(client.refused)
+    assert "another protocol version" in str(client.refused) and f"version {wire.PROTOCOL_VERSION + 1}" in str(
+        client.refused
+    )
     assert fake.connections == 1
 
 

@@ -241,11 +241,15 @@ def test_encode_refuses_messages_over_the_limits() -> None:
             "Push.codec",
         ),
         (
-            lambda: Update(fragment=0, version=1, codec=CodecName.INT2, element_count=2, clock={}, payload=b"\0"),
+            lambda: Update(
+                fragment=0, version=1, codec=CodecName.INT2, element_count=2, clock={}, global_step=0, payload=b"\0"
+            ),
             "Update.codec",
         ),
         (
-            lambda: Update(fragment=0, version=1, codec=CodecName.INT4, element_count=2, clock={}, payload=b"\0"),
+            lambda: Update(
+                fragment=0, version=1, codec=CodecName.INT4, element_count=2, clock={}, global_step=0, payload=b"\0"
+            ),
             "a whole Update cannot be int4",
         ),
         (
@@ -373,10 +377,11 @@ def test_short_frame_bad_magic_and_unknown_version() -> None:
     (frame,) = _frames(Marker(snapshot=1, clock={}))
     assert _error(Reassembler(LIMITS), frame[:47]).code == ErrorCode.BAD_FRAME
     assert _error(Reassembler(LIMITS), b"XXXX" + frame[4:]).code == ErrorCode.BAD_FRAME
-    for version in (1, 3):  # protocol 1 (a learner that waits for requests) and a later release
+    # protocol 1 (a learner that waits for requests), 2 (updates without the global step) and a later release
+    for version in (1, 2, 4):
         error = _error(Reassembler(LIMITS), _sealed(Kind.BYE, b'{"reason":""}', version=version))
         assert error.code == ErrorCode.PROTOCOL_VERSION
-        assert str(version) in error.text and "[2]" in error.text
+        assert f"protocol version {version} is not understood" in error.text and "[3]" in error.text
 
 
 def test_a_kind_4_frame_is_an_unknown_kind_since_protocol_2() -> None:

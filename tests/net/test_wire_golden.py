@@ -153,12 +153,20 @@ CASES = {
         WireLimits(),
     ),
     "update_bf16": (
-        Update(fragment=1, version=5, codec=CodecName.BF16, element_count=6, clock=CLOCK, payload=_codes(12)),
+        Update(
+            fragment=1,
+            version=5,
+            codec=CodecName.BF16,
+            element_count=6,
+            clock=CLOCK,
+            global_step=57,
+            payload=_codes(12),
+        ),
         10,
         WireLimits(),
     ),
     # protocol 2: the int4 delta of version 6 onto the published copy of version 5 (8 elements in
-    # blocks of 4: two float32 scales, then four bytes of codes)
+    # blocks of 4: two float32 scales, then four bytes of codes); protocol 3: with the global step
     "update_delta_int4": (
         Update(
             fragment=1,
@@ -166,6 +174,7 @@ CASES = {
             codec=CodecName.INT4,
             element_count=8,
             clock=CLOCK,
+            global_step=60,
             payload=np.array([0.5, 0.25], dtype="<f4").tobytes() + _codes(4),
             base_version=5,
             block=4,
@@ -229,7 +238,7 @@ def test_push_header_and_body_match_the_document() -> None:
     (frame,) = _read_golden("push_int4")
     header = _unpack_documented_header(frame)
     assert header["magic"] == b"DDLC"
-    assert header["version"] == 2
+    assert header["version"] == 3
     assert header["kind"] == 5  # push, per the kind table (4, the request of protocol 1, is retired)
     assert header["flags"] == 0
     assert header["message_id"] == 3
@@ -270,3 +279,11 @@ def test_single_frame_payload_starts_8_byte_aligned() -> None:
     start = 48 + header["meta_bytes"]
     assert start % 8 == 0
     assert frame[start:] == _codes(136)
+
+
+def test_an_update_carries_the_syncers_global_step_from_version_3_on() -> None:
+    (frame,) = _read_golden("update_delta_int4")
+    header = _unpack_documented_header(frame)
+    assert header["version"] == 3 and header["kind"] == 7
+    meta = orjson.loads(frame[48 : 48 + header["meta_bytes"]])
+    assert meta["global_step"] == 60 and meta["base_version"] == 5
