@@ -36,6 +36,9 @@ HEADER_BYTES = _HEADER.size
 _MAGIC = b"DDCF"
 _FORMAT = 1
 ELEMENTS_MAX = 2**31 - 1
+# The largest code of a block codec in steps of its scale: int4 codes are in [-7, 7], but a nibble of
+# a payload can say -8; int2 and int1 levels are smaller.
+BLOCK_CODE_ABS_MAX = 8
 
 
 class CodecError(UserError, ValueError):
@@ -150,6 +153,17 @@ class Encoded:
             )
         else:
             kernels.rda_accumulate(acc, weight, self.decode(parallel=parallel), offsets, norms, parallel=parallel)
+
+    def within(self, limit: float) -> bool:
+        """Whether every decoded value lies in [-limit, limit] (so is finite): a block codec's from its
+        scales (a code is at most BLOCK_CODE_ABS_MAX steps of its scale), the dense codecs' from their
+        extremes (NaN fails both comparisons)."""
+        if self.scales is not None:
+            if not kernels.all_finite(self.scales, parallel=False):
+                return False
+            return float(np.max(np.abs(self.scales), initial=0.0)) * BLOCK_CODE_ABS_MAX <= limit
+        values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data)
+        return bool(values.size == 0 or (np.max(values) <= limit and np.min(values) >= -limit))
 
     def all_finite(self, *, parallel: bool = True) -> bool:
         """Whether every decoded value is finite, checked without materialising block codecs: codes are

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ddiloco import kernels
 from ddiloco.core import codec as codecs
 from ddiloco.core import outer
 from ddiloco.core import publish as publishing
@@ -63,6 +62,12 @@ from ddiloco.core.schedule import Schedule
 from ddiloco.core.shards import owned, owner
 from ddiloco.core.weights import TOKENS_MAX
 
+# The largest magnitude a push's values or initial parameters may have. Far above any parameter or
+# outer gradient of a model that trains (float32 steps are coarser than 1e-4 beyond it), and far below
+# float32's 3.4e38: a round's weighted sum, the RDA norms and factors and the outer step's momentum of
+# finite values this size stay finite, where a push of finite values near float32's maximum made the
+# merge overflow and the core fail (the fuzzer found it).
+PAYLOAD_ABS_MAX = 2.0**40
 PROTOCOL_VERSION = 3  # net.wire.PROTOCOL_VERSION: the core speaks the version the wire carries
 PEERS_IN_WELCOME_MAX = 8  # a joining learner needs one healthy peer; a few spare cover failures
 # The most one progress report may move a learner's step past both its last report and the global
@@ -383,8 +388,8 @@ def _checked_params(layout: Layout, p: int, values: np.ndarray | None) -> np.nda
     spec = layout.fragments[p]
     if values.dtype != np.float32 or values.shape != (spec.padded_size,):
         raise ValueError(f"fragment {p} needs {spec.padded_size} float32 values, got {values.dtype} {values.shape}")
-    if not kernels.all_finite(values):
-        raise ValueError(f"fragment {p} has NaN or Inf values")
+    if not (values.size == 0 or (np.max(values) <= PAYLOAD_ABS_MAX and np.min(values) >= -PAYLOAD_ABS_MAX)):
+        raise ValueError(f"fragment {p} has NaN, Inf or values beyond +-{PAYLOAD_ABS_MAX:.3g}")
     if not values.flags.writeable or not values.flags.c_contiguous:
         values = np.ascontiguousarray(values).copy()  # the syncer owns and updates its fragments in place
     return values
@@ -585,8 +590,11 @@ def _admit(state: SyncerState, rec: LearnerRecord, ev: Push) -> Rejection | None
             "bad_counters",
             f"counters steps={ev.steps} tokens={ev.tokens}: out of [0, {TOKENS_MAX}], or tokens without steps",
         )
-    if not ev.payload.all_finite():
-        return Rejection("non_finite", f"outer gradient of fragment {ev.fragment} has NaN or Inf values")
+    if not ev.payload.within(PAYLOAD_ABS_MAX):
+        return Rejection(
+            "non_finite",
+            f"outer gradient of fragment {ev.fragment} has NaN, Inf or values beyond +-{PAYLOAD_ABS_MAX:.3g}",
+        )
     return None
 
 

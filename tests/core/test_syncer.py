@@ -646,3 +646,42 @@ def test_late_pushes_ride_along_but_never_close_a_round():
     assert "every asked learner delivered within the grace window" in h.state.decisions[-1].reason
     assert "2 late, discounted" in h.state.decisions[-1].reason
     h.state.ledger.check()
+
+
+@pytest.mark.parametrize("merge", ["rda", "mean"])
+def test_a_push_of_finite_values_too_large_to_merge_is_refused_and_the_core_lives(merge):
+    """Finite float32 values near its maximum made a round's merge overflow and the core fail (the
+    fuzzer found it): one message from a peer took the daemon down. Now a push beyond
+    PAYLOAD_ABS_MAX is refused as non_finite, and pushes up to it merge into finite parameters."""
+    h = Harness(quorum=1, merge=merge)
+    two_live(h)
+    fragment, rnd = open_round(h, 1)
+    n = h.state.layout.fragments[fragment].padded_size
+    huge = np.where(np.arange(n) % 2, 3e38, -3e38).astype(np.float32)
+    before = syncer.state_hash(h.state)
+    eff = h.push(1, fragment, rnd, vec=huge, name="fp32")
+    (err,) = h.of(SendError, eff)
+    assert err.code == "non_finite" and "beyond" in err.text
+    assert syncer.state_hash(h.state) == before
+    limit = np.float32(syncer.PAYLOAD_ABS_MAX)
+    h.progress(1, 2, dt=1.0)
+    h.progress(2, 2)
+    for r in range(1, 5):  # at the limit, same and opposite signs, round after round: finite throughout
+        fragment, rnd = open_round(h, 1 + 2 * r)
+        n = h.state.layout.fragments[fragment].padded_size
+        h.push(1, fragment, rnd, vec=np.full(n, limit), name="fp32")
+        h.push(2, fragment, rnd, vec=np.full(n, -limit if r % 2 else limit), name="fp32")
+        h.progress(1, 2 + 2 * r, dt=1.0)
+        h.progress(2, 2 + 2 * r)
+    assert h.state.merges >= 4
+    assert all(np.isfinite(f.theta).all() and np.isfinite(f.published).all() for f in h.state.fragments)
+
+
+def test_initial_parameters_beyond_the_limit_are_refused():
+    h = Harness()
+    h.join("a", conn=10)
+    spec = h.state.layout.fragments[0]
+    raw = np.full(spec.padded_size, 1e30, dtype=np.float32)
+    eff = h.send(InitFragment(1, 0, codec.parse(codec.encode(raw, "fp32"))))
+    assert any(isinstance(e, SendError) and "beyond" in e.text for e in eff)
+    assert h.state.fragments[0].theta is None or np.abs(h.state.fragments[0].theta).max() < 1e30
