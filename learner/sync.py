@@ -459,7 +459,10 @@ class DilocoSync:
         if updates:  # behind the syncer's global step: move up to it (learner.schedule.caught_up)
             global_step = scheduling.newest_global_step(updates)
             self.step_count, behind = scheduling.caught_up(self._schedule, self.fragments, self.step_count, global_step)
-            scheduled += tuple(q for q in behind if q not in scheduled)
+            # Not a fragment whose new version came in this call: the round it was due for is over, and
+            # a push from the version held would reach the next one late; its next due step pushes
+            # from the new version, on time.
+            scheduled += tuple(q for q in behind if q not in scheduled and q not in updates)
         for err in errors:
             log.warning("syncer: %s: %s", err.code, err.text)
         if errors:  # a refused push comes back as no version: the next due step pushes (its increment)
