@@ -69,13 +69,20 @@ def train(learners, steps, pause_s=0.01):
         time.sleep(pause_s)
 
 
+def two_learners(url):
+    """Learners a and b joined to the syncer at `url`, each with its own model and target."""
+    out = []
+    for seed, name in ((1, "a"), (2, "b")):
+        lr = {"params": model(seed), "target": model(10 * seed)}
+        lr["sync"] = DilocoSync.connect(lr["params"], SyncConfig(url=url, name=name, token=TOKEN))
+        out.append(lr)
+    return out
+
+
 def test_two_learners_merge_and_a_replacement_recovers_from_the_syncer(threaded_syncer):
     s = threaded_syncer(num_fragments=2, period=2, quorum=1, token=TOKEN)
     try:
-        a = {"params": model(1), "target": model(10)}
-        a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
-        b = {"params": model(2), "target": model(20)}
-        b["sync"] = DilocoSync.connect(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
+        a, b = two_learners(s.url)
         train([a, b], 40)
         state = s.server.state
         assert state.merges >= 5, state.merges
@@ -416,10 +423,7 @@ def test_a_learner_behind_the_global_step_moves_up_to_it_and_pushes_into_the_ope
     in between at once, into the rounds that are open, instead of late into the next ones."""
     s = threaded_syncer(num_fragments=2, period=4, quorum=1, token=TOKEN)
     try:
-        a = {"params": model(1), "target": model(10)}
-        a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
-        b = {"params": model(2), "target": model(20)}
-        b["sync"] = DilocoSync.connect(b["params"], SyncConfig(url=s.url, name="b", token=TOKEN))
+        a, b = two_learners(s.url)
         train([a, b], 4)  # both hold every fragment
         moves = []
         deadline = time.monotonic() + 120
