@@ -225,13 +225,8 @@ class SimSyncer:
         wire_bytes = values.nbytes
         values = np.array(self.state.fragments[fragment].published, dtype=np.float32)
         self.checker.sent(fragment, version, name, values, self.scheduler.now)
-        body = {
-            "fragment": fragment,
-            "version": version,
-            "values": values,
-            "whole": base_version < 0,
-            "global_step": global_step,
-        }
+        # No global step: the simulated learners keep their own step count (they do not move up to it).
+        body = {"fragment": fragment, "version": version, "values": values, "whole": base_version < 0}
         for conn_id in conns:
             conn = self.network.conns.get(conn_id)
             if conn is not None:

@@ -157,13 +157,10 @@ class Encoded:
     def within(self, limit: float) -> bool:
         """Whether every decoded value lies in [-limit, limit] (so is finite): a block codec's from its
         scales (a code is at most BLOCK_CODE_ABS_MAX steps of its scale), the dense codecs' from their
-        extremes (NaN fails both comparisons)."""
+        values (`values_within`). A NaN or Inf scale fails the comparison as a NaN value does."""
         if self.scales is not None:
-            if not kernels.all_finite(self.scales, parallel=False):
-                return False
             return float(np.max(np.abs(self.scales), initial=0.0)) * BLOCK_CODE_ABS_MAX <= limit
-        values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data)
-        return bool(values.size == 0 or (np.max(values) <= limit and np.min(values) >= -limit))
+        return values_within(self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data), limit)
 
     def all_finite(self, *, parallel: bool = True) -> bool:
         """Whether every decoded value is finite, checked without materialising block codecs: codes are
@@ -172,6 +169,12 @@ class Encoded:
             return kernels.all_finite(self.scales, parallel=parallel)
         values = self.data if self.codec is Codec.FP32 else kernels.from_bf16(self.data, parallel=parallel)
         return kernels.all_finite(values, parallel=parallel)
+
+
+def values_within(values: np.ndarray, limit: float) -> bool:
+    """Whether every value lies in [-limit, limit]: from the extremes, without a copy (NaN fails both
+    comparisons)."""
+    return bool(values.size == 0 or (np.max(values) <= limit and np.min(values) >= -limit))
 
 
 def encode(x: np.ndarray, codec: Codec | str, block: int = kernels.BLOCK_DEFAULT, *, parallel: bool = True) -> bytes:

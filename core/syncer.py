@@ -388,7 +388,7 @@ def _checked_params(layout: Layout, p: int, values: np.ndarray | None) -> np.nda
     spec = layout.fragments[p]
     if values.dtype != np.float32 or values.shape != (spec.padded_size,):
         raise ValueError(f"fragment {p} needs {spec.padded_size} float32 values, got {values.dtype} {values.shape}")
-    if not (values.size == 0 or (np.max(values) <= PAYLOAD_ABS_MAX and np.min(values) >= -PAYLOAD_ABS_MAX)):
+    if not codecs.values_within(values, PAYLOAD_ABS_MAX):
         raise ValueError(f"fragment {p} has NaN, Inf or values beyond +-{PAYLOAD_ABS_MAX:.3g}")
     if not values.flags.writeable or not values.flags.c_contiguous:
         values = np.ascontiguousarray(values).copy()  # the syncer owns and updates its fragments in place

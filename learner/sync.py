@@ -405,9 +405,14 @@ class DilocoSync:
         reads): those due next, those that fell due at the steps it skips moving up to the global
         step the updates carry (`learner.schedule.caught_up`), and those whose version arrives (a
         push held back behind it goes out in the same call). A superset: some may stay held back."""
-        global_step = scheduling.newest_global_step(updates)
-        _, behind = scheduling.caught_up(self._schedule, self.fragments, self.step_count + 1, global_step)
+        _, behind = self._caught_up(self.step_count + 1, updates)
         return tuple(dict.fromkeys(self.due_next + behind + tuple(sorted(updates))))
+
+    def _caught_up(self, step: int, updates: dict[int, list[session.UpdateInfo]]) -> tuple[int, tuple[int, ...]]:
+        """A call at `step` that takes `updates`: the step it counts from and the fragments that fell due
+        at the steps it skips (`learner.schedule.caught_up`)."""
+        global_step = scheduling.newest_global_step(updates)
+        return scheduling.caught_up(self._schedule, self.fragments, step, global_step)
 
     def _scheduled_next(self) -> tuple[int, ...]:
         return scheduling.scheduled_at(self._schedule, self.fragments, self.step_count + 1)
@@ -457,8 +462,7 @@ class DilocoSync:
             self._rejoin(params, welcome)
             scheduled = ()  # the schedule was of the old session
         if updates:  # behind the syncer's global step: move up to it (learner.schedule.caught_up)
-            global_step = scheduling.newest_global_step(updates)
-            self.step_count, behind = scheduling.caught_up(self._schedule, self.fragments, self.step_count, global_step)
+            self.step_count, behind = self._caught_up(self.step_count, updates)
             # Not a fragment whose new version came in this call: the round it was due for is over, and
             # a push from the version held would reach the next one late; its next due step pushes
             # from the new version, on time.

@@ -74,9 +74,10 @@ class Link(Protocol):
     ) -> None:
         """Send a fragment update to these connections: the published copy whole (base_version -1,
         fp32 values) or the delta onto the published copy of `base_version` (its codec body, block
-        0 for fp32 and bf16), with the syncer's global step now. `values` is a view into the core state, valid until the next core
-        step: copy it (into frames) before returning. The updates of one connection must arrive in
-        the order they are sent, none left out (a delta is never replaced by a newer one)."""
+        0 for fp32 and bf16), with the syncer's global step now. `values` is a view into the core
+        state, valid until the next core step: copy it (into frames) before returning. The updates of
+        one connection must arrive in the order they are sent, none left out (a delta is never
+        replaced by a newer one)."""
 
     def close(self, conn: int, reason: str) -> None:
         """Close the connection; report it with `Shell.closed` once it is gone."""
