@@ -3,15 +3,20 @@ step runs.
 
 At the step where fragment p is due, the hook starts the device-to-host copy of p's leaves and hands
 this thread the rest of the push: waiting for the copy, the increment over the last push and its
-quantisation (`pushes.encode_increment`). The next call takes the result and sends it. The training
-thread then spends the step's device time (or, on a CPU learner, the other core) instead of its own.
+quantisation (`pushes.encode_increment`). The training thread then spends the step's device time
+(or, on a CPU learner, the other core) instead of its own. Where the transport takes pushes from
+another thread (`sender`: the websocket clients), this thread sends the push as soon as its bytes
+exist (`Send`), and the next call only books it; otherwise the next call sends it. (Sent at the
+next call, the push of a loop that waits for each step left a whole step after its bytes existed.)
 
 The result is the same bytes the training thread would have computed at the next call: the job's
 inputs (the copied leaves, the last push of p from the version held, p's error-feedback residual)
-cannot change between the two calls, since only sending a push of p or applying a version of p
-changes them, and the hook sends p's push before either. The hook checks that at the send
-(`Encoding.still_valid`) and computes the push itself where it does not hold, so a replay or a
-simulation on a virtual clock gets the same pushes at the same calls with or without this thread.
+cannot change between the two calls, since only booking a push of p or applying a version of p
+changes them, and the hook books p's push before either. The hook checks that at the booking
+(`Encoding.still_valid`) and computes the push itself where it does not hold (a job that sent its
+push must hold: an assertion), so a replay or a simulation on a virtual clock, whose transports
+have no `sender`, gets the same pushes at the same calls with or without this thread; the learner's
+tape records a push at the call that booked it, wherever it was sent from.
 
 Arrivals: the client tells this thread of each fragment update as it lands (`offer`, on the
 client's thread), and the thread applies it onto the published copy the fragment will hold by then
@@ -33,10 +38,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ddiloco.core import codec
+from ddiloco.core.events import Push
 from ddiloco.learner import arrivals, pushes
 from ddiloco.net import session
 
-__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "Prepared", "PushWork", "encode_push"]
+__all__ = ["DECODED_MAX", "Background", "Encoded", "Encoding", "Prepared", "PushWork", "Send", "encode_push"]
 
 # Updates of one fragment decoded ahead and not taken yet, at most: past it the oldest is dropped
 # (the hook then decodes it itself). Each holds two fragment-sized host arrays and, where the hook
@@ -69,11 +75,20 @@ class Prepared(NamedTuple):
 
 class Encoded(NamedTuple):
     """A push's host work, done: the host copy of the fragment and the push's payload (parsed: views
-    into its bytes), with the error-feedback residual it leaves."""
+    into its bytes), with the error-feedback residual it leaves; and where this thread sent the push
+    itself (`Send`), the push as sent and whether the transport took it."""
 
     theta: np.ndarray
     payload: codec.Encoded
     feedback: codec.FeedbackState | None
+    push: Push | None = None  # None: not sent here; the hook sends it at the next call
+    sent: bool = False
+
+
+# The push's payload -> (the push, whether the transport took it): sends it from this thread, as soon
+# as its bytes exist, rather than at the hook's next call (a step later). Made by the hook from the
+# transport's `sender`, with the push's fields fixed at the call that started it.
+Send = Callable[[codec.Encoded], tuple[Push, bool]]
 
 
 class PushWork(NamedTuple):
@@ -108,6 +123,7 @@ class Encoding(NamedTuple):
     future: Future
     last: pushes.LastPush | None
     feedback: codec.FeedbackState | None
+    sends: bool = False  # the job sends the push itself
 
     def still_valid(self, last: pushes.LastPush | None, feedback: codec.FeedbackState | None) -> bool:
         """Whether the push's inputs are still these: the increment's base (the last push's host
@@ -146,19 +162,23 @@ class Background:
                 self._pending[id(update)] = (update, future)
             return future
 
-    def encode(self, work: PushWork) -> Encoding:
+    def encode(self, work: PushWork, send: Send | None = None) -> Encoding:
         """Start a push's host work (`encode_push`) on this thread (serial kernels: the worker is one
-        thread beside the training step)."""
+        thread beside the training step), and with `send`, send the push from here when done."""
 
         def job() -> Encoded:
-            return encode_push(work, False)
+            done = encode_push(work, False)
+            if send is None:
+                return done
+            push, sent = send(done.payload)
+            return done._replace(push=push, sent=sent)
 
         last = pushes.last_from(work.state, work.flight.fragment, work.flight.frag.version)
         future = self._submit(job)
         if future is None:  # closed: done at the send, as without this thread
             future = Future()
-            future.set_result(job())
-        return Encoding(future, last, work.feedback)
+            future.set_result(encode_push(work, False))
+        return Encoding(future, last, work.feedback, send is not None)
 
     # ---- arrivals ----------------------------------------------------------------------------------
 

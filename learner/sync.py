@@ -575,7 +575,22 @@ class DilocoSync:
         if not self.config.background:
             return flight
         self._placements[q] = tree.placement(params, q)  # where the next version's difference goes (_tell_background)
-        return flight._replace(job=self._background.encode(self._push_work(flight)))
+        return flight._replace(job=self._background.encode(self._push_work(flight), self._sending(flight)))
+
+    def _sending(self, flight: pushes.InFlight) -> background.Send | None:
+        """How the background thread sends `flight` as soon as its bytes exist, where the transport
+        takes pushes from another thread (`sender`); None: the next call sends it. The push is the
+        one the next call would make: every field is fixed now, the payload aside."""
+        sender = getattr(self._joined()[0], "sender", None)
+        if sender is None:
+            return None
+        send, learner = sender(), self.learner_id
+
+        def send_payload(payload: codec.Encoded) -> tuple[Push, bool]:
+            push = _push_of(learner, flight, payload)
+            return push, send(push) is not False
+
+        return send_payload
 
     def _push_work(self, flight: pushes.InFlight) -> background.PushWork:
         """What `flight`'s host work reads, as the hook holds it now."""
@@ -596,25 +611,45 @@ class DilocoSync:
 
     def _push(self, flight: pushes.InFlight) -> None:
         client = self._joined()[0]
-        q, frag = flight.fragment, flight.frag
-        if pushes.donated(flight):
+        q = flight.fragment
+        done = self._sent_ahead(flight)
+        if done is None and pushes.donated(flight):
             # A training step that donates its parameters freed them before the copy was read: this
             # push is given up; the counters run on and the next push of the fragment carries them.
             self._pushes = pushes.given_up(self._pushes)
             log.warning("push of fragment %d at step %d skipped: its parameters were donated", q, flight.step)
             return
-        theta, payload, feedback = self._encoded(flight)
-        # The push's one shape (core.events.Push), made here once; `learner` is this session's id as
-        # the hook knows it (the syncer takes the sender from the connection, not from the push).
-        push = Push(self.learner_id, q, flight.step, frag.version, frag.steps, frag.tokens, payload)
+        done = done or self._encoded(flight)
+        theta, feedback = done.theta, done.feedback
+        if done.push is not None:  # the background thread sent it already, as soon as it was encoded
+            push, sent = done.push, done.sent
+        else:
+            push = _push_of(self.learner_id, flight, done.payload)
+            sent = client.push(push) is not False  # a transport that returns nothing sent it
         if self.tape is not None:
             self.tape.push(self.calls, push)
-        if client.push(push) is not False:  # a transport that returns nothing sent it
+        if sent:
             self.fragments = replaced(self.fragments, q, self.fragments[q]._replace(feedback=feedback))
             self._pushes = pushes.sent(self._pushes, flight, theta)
             self._tell_background(q)  # the progress kept over the next version now starts at theta
         elif self.tape is not None:  # not sent: the next push starts from where this one did
             self.tape.dropped(self.calls, q)
+
+    def _sent_ahead(self, flight: pushes.InFlight) -> background.Encoded | None:
+        """What the background thread sent of `flight` (`_sending`), waiting for it; None where it
+        sends nothing, or where its copy failed because a donating step freed the leaves first."""
+        job = flight.job
+        if job is None or not job.sends:
+            return None
+        last = pushes.last_from(self._pushes, flight.fragment, flight.frag.version)
+        # Its inputs cannot change before this call (learner.background): only this push changes them.
+        assert job.still_valid(last, self.fragments[flight.fragment].feedback), "a push went out from stale inputs"
+        try:
+            return job.result()
+        except Exception:
+            if pushes.donated(flight):
+                return None
+            raise
 
     def _encoded(self, flight: pushes.InFlight) -> background.Encoded:
         """The push's host copy and bytes: the background thread's, where its inputs still hold (they
@@ -688,6 +723,13 @@ class DilocoSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _push_of(learner: int, flight: pushes.InFlight, payload: codec.Encoded) -> Push:
+    """The push's one shape (core.events.Push), made once; `learner` is this session's id as the hook
+    knows it (the syncer takes the sender from the connection, not from the push)."""
+    frag = flight.frag
+    return Push(learner, flight.fragment, flight.step, frag.version, frag.steps, frag.tokens, payload)
 
 
 def syncer_transport(config: SyncConfig, tensors: tuple[TensorSpec, ...], peer_url: str = "") -> Transport:

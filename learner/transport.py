@@ -6,6 +6,11 @@ websocket on its own thread; the default), `experiments.inprocess.InProcessTrans
 core on a virtual clock) and full replay's stand-in (what a recorded run's hook took, call by call).
 Every method returns at once: the hook runs between two training steps and never waits on the
 network, except in `wait_welcome`, which `DilocoSync.join` calls once.
+
+A transport may also offer `sender() -> Callable[[Push], bool]`: `push` for another thread, the push
+belonging to the session of the moment `sender` was called. The hook's background thread then sends
+each push as soon as it is encoded (learner.background) instead of at the next call. The websocket
+clients offer it; the virtual-clock and replay transports do not, so their pushes stay on the calls.
 """
 
 from __future__ import annotations

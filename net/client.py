@@ -17,6 +17,7 @@ client with `SyncerRefused`; they are not retried.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -680,6 +681,15 @@ class ThreadedClient:
         `pushes_dropped`, logged): the hook then pushes that progress with its next push. The push
         crosses to that thread as it is (one hand-off, nothing copied): its writer copies the payload
         into the frames (net.session.bulk_frames)."""
+        return self._push(item, self._welcomes_seen)
+
+    def sender(self) -> Callable[[Push], bool]:
+        """`push` for another thread (the hook's background thread sends a push as soon as its bytes
+        exist): the push belongs to the session of now, so one handed over after a new welcome is
+        dropped with the old session's messages, as `push` called now would have been."""
+        return functools.partial(self._push, welcomes=self._welcomes_seen)
+
+    def _push(self, item: Push, welcomes: int) -> bool:
         self._check()
         client = self._client
         with self._handed_lock:
@@ -690,7 +700,7 @@ class ThreadedClient:
         if full:
             self._loop.call_soon_threadsafe(client.dropped, item)
             return False
-        self._loop.call_soon_threadsafe(self._hand_over, item, self._welcomes_seen)
+        self._loop.call_soon_threadsafe(self._hand_over, item, welcomes)
         return True
 
     def _hand_over(self, item: Push, welcomes: int) -> None:

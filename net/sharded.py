@@ -160,6 +160,7 @@ class ShardedClient:
         self._markers: dict[int, tuple[_Link, int]] = {}  # our id -> (the shard, its snapshot id)
         self._marker_ids = itertools.count(1)
         self.pushes_unsent = 0  # pushes for a shard that was away, or whose new session the hook had not seen
+        self._unsent_lock = threading.Lock()  # the count is bumped from the hook's background thread too
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -244,9 +245,26 @@ class ShardedClient:
         the hook then pushes that progress with its next push."""
         link = self._by_shard[shards.owner(item.fragment, len(self._links))]
         if not self._current(link) or not link.client.connected:
-            self.pushes_unsent += 1
+            with self._unsent_lock:
+                self.pushes_unsent += 1
             return False
         return link.client.push(item)
+
+    def sender(self) -> Callable[[Push], bool]:
+        """`push` for another thread (ThreadedClient.sender): to the fragment's owner as the hook
+        sees the shards now; False when that shard is away or its queue is full."""
+        senders = [link.client.sender() if self._current(link) else None for link in self._by_shard]
+
+        def send(item: Push) -> bool:
+            shard = shards.owner(item.fragment, len(senders))
+            send_to = senders[shard]
+            if send_to is None or not self._by_shard[shard].client.connected:
+                with self._unsent_lock:
+                    self.pushes_unsent += 1
+                return False
+            return send_to(item)
+
+        return send
 
     def init(self, fragment: int, payload: bytes) -> None:
         link = self._by_shard[shards.owner(fragment, len(self._links))]

@@ -159,6 +159,43 @@ def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threade
         s.stop()
 
 
+def _step_until_a_push_starts(sync, params, target, deadline):
+    """Train until a call starts a push while every fragment's version is held; (params, fragment)."""
+    while not (sync.pushes_in_flight and min(sync.versions) >= 0):
+        assert time.monotonic() < deadline, "no push started"
+        params = sync.step(inner_step(params, target), tokens=128)
+        time.sleep(0.003)
+    return params, sync.pushes_in_flight[-1]
+
+
+def test_a_push_goes_out_as_soon_as_its_bytes_exist_not_at_the_next_call(threaded_syncer):
+    """The background thread sends the push it encoded: the syncer has it while the training loop
+    has not called the hook again, and the next call books it, once."""
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
+    params, target = model(1), model(10)
+    sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN))
+    try:
+        deadline = time.monotonic() + 60
+        for _ in range(3):
+            params, q = _step_until_a_push_starts(sync, params, target, deadline)
+            frag, learner = sync.fragments[q], sync.learner_id
+            want = (frag.version, frag.steps, frag.tokens)  # what the push carries
+
+            def arrived(state, q=q, want=want, learner=learner):
+                return state.learners[learner].pushed.get(q) == want
+
+            while not s.read(arrived):  # no call of the hook meanwhile
+                assert time.monotonic() < deadline, f"the push of fragment {q} did not leave before the next call"
+                time.sleep(0.01)
+            assert sync.pushes_in_flight  # still to be booked by the training thread
+            params = sync.step(inner_step(params, target), tokens=128)
+            assert q not in sync.pushes_in_flight
+        sync.close()
+        s.server.state.ledger.check()
+    finally:
+        s.stop()
+
+
 def test_wrong_token_is_a_clear_error(threaded_syncer):
     s = threaded_syncer(token=TOKEN)
     try:
