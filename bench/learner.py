@@ -21,9 +21,11 @@ Beside it, CPU time per step each way, of this process (all its threads: XLA's, 
 the syncer's: on 2 shared cores the hook's cost is CPU that the training step then lacks.
 
 The hook's own time, `sync.step` timed around the call (the step's parameters already ready, so it
-holds no wait for the device): its median on the hooked steps where it pushed no fragment and applied
-none (`idle_step_hook_us`: the cost every step pays) and on those where it did either
-(`busy_step_hook_us`). And the share of the tokens reported that the syncer merged, from its ledger
+holds no wait for the device): its median on the hooked steps where no push started or was booked
+and no version was applied (`idle_step_hook_us`: the cost every step pays) and on the others
+(`busy_step_hook_us`); and the same calls' CPU time on the training thread (`idle_step_hook_cpu_us`,
+`busy_step_hook_cpu_us`), which leaves out the waits for a core held by XLA's threads or the
+syncer. And the share of the tokens reported that the syncer merged, from its ledger
 (`/status`) at the end of the run, of those whose fate is decided (each fragment's last window is
 still open then); the plain blocks report nothing, so they add no tokens to it.
 """
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -191,15 +194,27 @@ def _synthetic_loop(cfg: LearnerBenchConfig) -> _Loop:
 
 
 class _CountingTransport:
-    """The hook's transport with its pushes counted: a step whose call pushed a fragment is a busy one."""
+    """The hook's transport with its pushes counted, those its background thread sends included."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.pushes = 0
+        self._lock = threading.Lock()
 
     def push(self, item: Any) -> bool:
-        self.pushes += 1
+        with self._lock:
+            self.pushes += 1
         return self.inner.push(item)
+
+    def sender(self) -> Any:
+        send = self.inner.sender()
+
+        def counted(item: Any) -> bool:
+            with self._lock:
+                self.pushes += 1
+            return send(item)
+
+        return counted
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -258,19 +273,25 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         counted = _CountingTransport(sync.client)
         sync.client = counted
         hook_us: dict[bool, list[float]] = {True: [], False: []}  # busy -> the hook's microseconds
+        # the same calls' CPU time on the training thread: the hook's own work, without the time
+        # the thread waited for a core that XLA's threads or the syncer held
+        hook_cpu_us: dict[bool, list[float]] = {True: [], False: []}
 
         def one(hooked: bool, timed: bool = True) -> float:
             nonlocal params
             t0 = time.perf_counter()
             params = loop.advance(params)
             if hooked:
-                applied, pushes = sync.merged_versions_applied, counted.pushes
-                h0 = time.perf_counter()
+                # A busy call applied a version, or started or sent a push (or took one the
+                # background thread sent: the pushes under way changed).
+                applied, flying = sync.merged_versions_applied, sync.pushes_in_flight
+                h0, c0 = time.perf_counter(), time.thread_time()
                 params = sync.step(params, tokens=loop.tokens)
-                took = time.perf_counter() - h0
+                took, cpu_took = time.perf_counter() - h0, time.thread_time() - c0
                 if timed:
-                    busy = sync.merged_versions_applied != applied or counted.pushes != pushes
+                    busy = sync.merged_versions_applied != applied or sync.pushes_in_flight != flying
                     hook_us[busy].append(1e6 * took)
+                    hook_cpu_us[busy].append(1e6 * cpu_took)
             jax.block_until_ready(params)
             return time.perf_counter() - t0
 
@@ -322,6 +343,8 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         # the hook's own time per call, on steps with nothing to push or apply and on the others
         "idle_step_hook_us": _median_or_none(hook_us[False]),
         "busy_step_hook_us": _median_or_none(hook_us[True]),
+        "idle_step_hook_cpu_us": _median_or_none(hook_cpu_us[False]),
+        "busy_step_hook_cpu_us": _median_or_none(hook_cpu_us[True]),
         "idle_steps": len(hook_us[False]),
         "busy_steps": len(hook_us[True]),
         # the hook's own time per hooked step, on average: what of the overhead is the call itself
@@ -430,6 +453,13 @@ def format_report(r: dict) -> str:
                 f"median {_us(r['idle_step_hook_us'])} on {r['idle_steps']} steps with nothing to push or apply, "
                 f"{_us(r['busy_step_hook_us'])} on {r['busy_steps']} steps that pushed or applied a fragment; "
                 f"mean {_us(r['hook_mean_per_step_us'])} per step"
+            ),
+        ),
+        (
+            "hook CPU",
+            (
+                f"median {_us(r['idle_step_hook_cpu_us'])} per call with nothing to push or apply, "
+                f"{_us(r['busy_step_hook_cpu_us'])} with (the training thread's CPU time in the call)"
             ),
         ),
         (
