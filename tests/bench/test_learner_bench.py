@@ -27,6 +27,10 @@ def test_a_short_synthetic_run_writes_every_figure_in_its_range(tmp_path, capsys
     assert r["idle_steps"] + r["busy_steps"] == 480
     assert r["pushes"] > 0 and r["busy_steps"] > 0 and r["merged_versions_applied"] > 0
     assert 0 < r["idle_step_hook_us"] and 0 < r["busy_step_hook_us"]
+    # the same calls' CPU time on the training thread: never more than their wall time (the two
+    # clocks are read one after the other, so allow them a few microseconds apart)
+    for kind in ("idle", "busy"):
+        assert 0 < r[f"{kind}_step_hook_cpu_us"] <= r[f"{kind}_step_hook_us"] + 20
     assert 0 <= r["merged_share"] <= 1
     assert r["ledger"]["merged"] > 0 and r["ledger"]["reported"] >= r["ledger"]["merged"]
     assert math.isfinite(r["overhead"]) and r["overhead"] > -1
