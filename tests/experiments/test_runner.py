@@ -52,7 +52,13 @@ def test_a_run_is_deterministic_by_seed():
 
 
 class _Recorded:
-    """Wraps a real client: remembers the (learner, fragment, step) of every push it hands over."""
+    """Wraps a real client: remembers the (learner, fragment, step) of every push it hands over.
+
+    It offers no `sender`: each push goes out at the hook's call, as the runner's transport sends it.
+    Sent from the hook's background thread whenever its bytes exist, a push would reach the daemon
+    before or after the learners' next reports by timing, and this test needs one event order."""
+
+    sender = None
 
     def __init__(self, client):
         self.client, self.pushed = client, set()
