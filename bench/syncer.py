@@ -122,9 +122,12 @@ def _learner_main(
                 box.updates.clear()
             step += 1
             n = len(sizes)
-            progress = session.ProgressInfo(step, tuple(versions), (1,) * n, (1024,) * n)
+            # As the hook and the sharded client do: a report only to the shards whose fragments
+            # this learner holds, 0 for another shard's fragment it lacks (the wire has no -1).
+            progress = session.ProgressInfo(step, tuple(max(v, 0) for v in versions), (1,) * n, (1024,) * n)
             for client in clients:
-                client.queue_progress(progress)
+                if all(versions[q] >= 0 for q in client.inbox.welcome.owned):
+                    client.queue_progress(progress)
             due = (q for q, t in enumerate(w.offsets) if step % w.period == t and min(versions) >= 0)
             # As a learner does (learner.sync, the hold-back): one push from each version it receives.
             for p in (q for q in due if pushed_from[q] != versions[q]):

@@ -139,6 +139,17 @@ class Inbox:
     deliveries: int = 0
 
 
+def check_progress(progress: session.ProgressInfo) -> None:
+    """A report the wire can carry, checked where it is handed over: held versions are >= 0
+    (docs/protocol.md; a learner that does not hold a fragment yet reports once it does). Caught
+    only in the writer, it would end the connection's task and leave the learner unconnected."""
+    if any(v < 0 for v in progress.versions):
+        raise ValueError(
+            f"a progress report holds versions >= 0 only, got {progress.versions}: report once every "
+            "fragment is held (a sharded learner sends 0 for another shard's fragment it lacks)"
+        )
+
+
 class SyncerClient:
     def __init__(self, config: ClientConfig, rng: random.Random | None = None):
         self.config = config
@@ -189,6 +200,7 @@ class SyncerClient:
         waits or is being sent, and every report after it until it went out: that one closes the
         learner's windows of the versions before (core.ledger), so a push computed from them, sent
         before it, must reach the syncer before it, or the push's tokens would be booked lost."""
+        check_progress(progress)
         behind = self._bulk_reports > 0 or (
             bool(self._bulk or self._bulk_sending) and progress.versions != self._reported_versions
         )
@@ -628,6 +640,7 @@ class ThreadedClient:
         """Report progress: at once on a step where a round opens or under new held versions,
         otherwise at most once per interval (most steps then cost no wake-up of that thread at all)."""
         self._check()
+        check_progress(item)
         now = self._clock()
         due = self._welcome is not None and self._welcome.opens_round(item.step)
         if not due and item.versions == self._forwarded_versions and now - self._forwarded_at < self._interval_s:

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from ddiloco.net import session
-from ddiloco.net.client import ClientConfig, ThreadedClient
+from ddiloco.net.client import ClientConfig, SyncerClient, ThreadedClient
 
 
 class FakeClock:
@@ -120,3 +120,17 @@ def test_interval_is_validated():
         ClientConfig(url="ws://h/ws", name="t", tensors=(), progress_interval_s=-1.0)
     with pytest.raises(ValueError, match="progress_interval_s"):
         ClientConfig(url="ws://h/ws", name="t", tensors=(), progress_interval_s=60.0)
+
+
+def test_a_report_of_a_version_below_0_is_refused_where_it_is_handed_over(paced):
+    """The wire carries held versions >= 0: a report of -1 is the caller's error, said at the call.
+    Found in the writer instead, it ended the connection's task and left the learner unconnected."""
+    tc, _, queued = paced(0.0)
+    with pytest.raises(ValueError, match="holds versions >= 0 only"):
+        tc.progress(report(1, versions=(-1, 0)))
+    with pytest.raises(ValueError, match="holds versions >= 0 only"):
+        SyncerClient(ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=())).queue_progress(
+            report(1, versions=(0, -1))
+        )
+    tc.progress(report(2))  # the client goes on
+    assert queued() == [2]
