@@ -99,7 +99,8 @@ class Learner:
         self.absorb()
         self.step += 1
         n = len(self.sizes)
-        self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (tokens,) * n))
+        if min(self.versions) >= 0:  # as a learner does: it reports once it holds every fragment
+            self.client.queue_progress(session.ProgressInfo(self.step, tuple(self.versions), (1,) * n, (tokens,) * n))
 
     def due(self):
         """The fragments due at this learner's step (none while it does not hold every fragment)."""
