@@ -582,7 +582,10 @@ class DilocoSync:
         takes pushes from another thread (`sender`); None: the next call sends it. The push is the
         one the next call would make: every field is fixed now, the payload aside."""
         sender = getattr(self._joined()[0], "sender", None)
-        if sender is None:
+        if sender is None or self.tape is not None:
+            # A recorded learner sends at the call that books the push, so its tape holds every push
+            # that went out: killed between a send from the thread and the booking, it would leave a
+            # push on the syncer's tape that no replay of the learners makes again.
             return None
         send, learner = sender(), self.learner_id
 
