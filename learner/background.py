@@ -171,6 +171,8 @@ class Background:
             if send is None:
                 return done
             push, sent = send(done.payload)
+            if sent:
+                self._pushed(work.flight.fragment, work.flight.frag.version, done.theta)
             return done._replace(push=push, sent=sent)
 
         last = pushes.last_from(work.state, work.flight.fragment, work.flight.frag.version)
@@ -195,6 +197,18 @@ class Background:
                 self._onto[q] = (known[0], known[1], anchor, place)
             else:
                 self._onto[q] = (version, published, anchor, place)
+
+    def _pushed(self, q: int, version: int, theta: np.ndarray) -> None:
+        """This thread sent a push of fragment q from `version`: the progress kept over the next
+        version now starts at its host copy `theta`, as the hook will say when it books the push
+        (`holds`). Said here first, an update that arrives before that call is decoded with the
+        right anchor, and the hook finds the difference ready rather than computing it on the
+        training thread. Nothing changes where no progress is kept (no anchor) or the hook holds
+        another version; a wrong guess costs only that: `difference` matches anchors by identity."""
+        with self._lock:
+            known = self._onto.get(q)
+            if known is not None and known[0] == version and known[2] is not None:
+                self._onto[q] = (version, known[1], theta, known[3])
 
     def _descends(self, q: int, published: np.ndarray) -> bool:
         """Whether a decoded update of q waiting to be taken went onto `published` (this thread is

@@ -184,8 +184,13 @@ class TreeFragments:
     def add_placed(self, params: Any, p: int, placed: list[Any]) -> Any:
         """`params` with `placed` (from `place`, `fits`) added to fragment p's leaves, where they are."""
         leaves = list(self.treedef.flatten_up_to(params))
-        for slot, add in zip(self.slots[p], placed, strict=True):
-            leaves[slot.leaf] = leaves[slot.leaf] + add
+        olds = [leaves[slot.leaf] for slot in self.slots[p]]
+        if _one_program(olds, placed):
+            news = _added(olds, placed)
+        else:
+            news = [old + add for old, add in zip(olds, placed, strict=True)]
+        for slot, new in zip(self.slots[p], news):
+            leaves[slot.leaf] = new
         return tree_unflatten(self.treedef, leaves)
 
     def _slices(self, params: Any, p: int, values: np.ndarray) -> tuple[list[Any], list[Any], list[np.ndarray]]:
@@ -194,6 +199,19 @@ class TreeFragments:
         olds = [leaves[slot.leaf] for slot in self.slots[p]]
         slices = [values[s.offset : s.offset + s.size].reshape(old.shape) for s, old in zip(self.slots[p], olds)]
         return leaves, olds, slices
+
+
+# The adds of one fragment as one dispatched program: on a loop's hot path each eager `+` costs
+# the training thread tens of microseconds of dispatch (measured: 4 leaves, 254 us one by one).
+_added = jax.jit(lambda olds, adds: [old + add for old, add in zip(olds, adds)])
+
+
+def _one_program(olds: list[Any], adds: list[Any]) -> bool:
+    """Whether `_added` can add these: device arrays all on one set of devices (one program runs
+    on one set; leaves spread over several, as in a pipeline, are added one by one, where they are)."""
+    if len(olds) != len(adds) or not all(isinstance(x, jax.Array) for x in (*olds, *adds)):
+        return False
+    return len({frozenset(x.sharding.device_set) for x in (*olds, *adds)}) == 1
 
 
 def put_all_like(arrays: list[np.ndarray], olds: list[Any]) -> list[Any]:

@@ -101,3 +101,43 @@ def test_the_difference_is_placed_on_the_leaves_devices_as_the_hook_would_add_it
     # the leaves changed type since: what was placed for the old ones does not fit
     changed = {**params, "b": params["b"].astype(jnp.float32)}
     assert not tree.fits(changed, 0, prepared.placed)
+
+
+def test_a_push_sent_from_the_thread_moves_the_anchor_so_an_update_before_the_booking_is_ready():
+    """A push the thread sends itself is the anchor of the progress kept over the next version (the
+    hook says so when it books the push, `pushes.sent`). An update that arrives before that call is
+    decoded against the push's host copy already, so the hook finds the difference ready; a push the
+    transport refused moves nothing, and neither does one of a version the hook no longer holds."""
+    rng = np.random.default_rng(3)
+    base, theta = (rng.standard_normal(1024).astype(np.float32) for _ in range(2))
+    frag = FragmentSync(version=3, base=base, published=base)
+    state, feedback = pushes.Pushes(last={}), codec.feedback_init(base.size)
+    delta = session.UpdateInfo(
+        0, 4, codec.parse(codec.encode(rng.standard_normal(1024).astype(np.float32), "int4", BLOCK)), base_version=3
+    )
+
+    def run(accepted: bool, push_version: int):
+        bg = background.Background()
+        try:
+            bg.holds(0, 3, base, base)  # the progress kept since the version held
+            pushed = FragmentSync(version=push_version, base=base, published=base)
+            work = background.PushWork(_gather(theta), state, _flight(pushed), feedback, "int4", True, BLOCK)
+            sent = bg.encode(work, lambda payload: (None, accepted)).result()
+            bg.offer(delta)
+            made = bg.published(delta, base)
+            return sent, made, bg.difference(made, sent.theta), bg.difference(made, base)
+        finally:
+            bg.close()
+
+    sent, made, prepared, old_anchor = run(True, 3)
+    expected = arrivals.apply_update(base, delta, False)
+    assert np.array_equal(made, expected) and np.array_equal(sent.theta, theta)
+    # the anchor the hook computes at the booking is the very array the thread decoded against
+    booked = pushes.sent(state, _flight(frag), sent.theta)
+    kept = arrivals.kept_progress(frag, pushes.last_from(booked, 0, 3), True, 0.0)
+    assert kept.anchor is sent.theta
+    assert prepared is not None and np.array_equal(prepared.difference, expected - theta) and old_anchor is None
+    # refused by the transport, or a push of another version than the one held: the anchor stays
+    for accepted, version in ((False, 3), (True, 2)):
+        _, made, prepared, old_anchor = run(accepted, version)
+        assert prepared is None and np.array_equal(old_anchor.difference, expected - base)

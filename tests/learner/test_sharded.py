@@ -168,6 +168,7 @@ def check_tree(checks: Checks, committed: bool) -> None:
                 np.array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))),
                 f"{tag}: add_placed of fragment {p} differs from add in {path}",
             )
+        check_one_by_one(checks, f"{tag}: fragment {p}", tree, params, added, p, placed)
         for alpha in (0.0, 0.25):
             values = (got + 1.0).astype(np.float32)
             new = tree.scatter(params, p, values, alpha)
@@ -183,6 +184,38 @@ def check_tree(checks: Checks, committed: bool) -> None:
                     np.array_equal(new_host[path], want),
                     f"{tag}: scatter(alpha={alpha}) wrote wrong values into {path}",
                 )
+
+
+def check_one_by_one(
+    checks: Checks, tag: str, tree: TreeFragments, params: Any, added: Any, p: int, placed: list
+) -> None:
+    """`add_placed` gives the bits and placements of adding fragment p's leaves one by one, eagerly
+    (it adds them as one program where it can)."""
+    for old, new, add in zip(tree.leaves(params, p), tree.leaves(added, p), placed, strict=True):
+        want = old + add
+        checks.that(
+            same_placement(new, want), f"{tag}: a leaf added as one program is on {new.sharding}, not {want.sharding}"
+        )
+        checks.that(
+            np.array_equal(np.asarray(jax.device_get(new)), np.asarray(jax.device_get(want))),
+            f"{tag}: a leaf added as one program differs from its eager add",
+        )
+
+
+def check_spread(checks: Checks) -> None:
+    """A fragment whose leaves live on different devices (as in a pipeline) cannot be added as one
+    program: each leaf is added where it is, and stays there."""
+    devices = jax.devices()[:2]
+    params = {
+        "a": jax.device_put(jnp.arange(64, dtype=jnp.float32), devices[0]),
+        "b": jax.device_put(jnp.ones((4, 8), jnp.bfloat16), devices[1]),
+    }
+    tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
+    values = np.linspace(-1, 1, tree.layout.fragments[0].padded_size, dtype=np.float32)
+    placed = tree.place(0, tree.placement(params, 0), values)
+    added = tree.add_placed(params, 0, placed)
+    check_placements(checks, "leaves on two devices: add_placed", added, params)
+    check_one_by_one(checks, "leaves on two devices", tree, params, added, 0, placed)
 
 
 def check_sync_and_recovery(checks: Checks, result: dict) -> None:
@@ -260,6 +293,7 @@ def main() -> None:
     if result["devices"] == DEVICES:
         check_tree(checks, committed=True)
         check_tree(checks, committed=False)
+        check_spread(checks)
         check_sync_and_recovery(checks, result)
     result["seconds"] = round(time.monotonic() - started, 2)
     result["failures"] = checks.failures
