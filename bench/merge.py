@@ -10,9 +10,11 @@ time budget.
 
 Rows beyond the single kernels: a whole round of the syncer (M = 2, 4, 8, 16 int4 contributions merged
 by the mean and the outer step taken) fused in one pass against one kernel pass per contribution plus
-the step, an RDA round likewise, and the learner's encode (outer gradient + int4 + error feedback) and
-apply of an int4 delta in one pass against the numpy-and-kernels path they replace. A round's rows
-count the same compulsory traffic fused or not, so their shares of the ceiling compare directly.
+the step, an RDA round likewise, the RDA round's accumulate with the sums of squares of its result taken
+in the same pass against segment_sumsq after it, and the learner's encode (outer gradient + int4 +
+error feedback) and apply of an int4 delta in one pass against the numpy-and-kernels path they replace.
+A round's rows count the same compulsory traffic fused or not, so their shares of the ceiling compare
+directly.
 
 Every kernel of ours is timed before any baseline runs: PyTorch's OpenMP threads may keep spinning for
 a while after each of its calls, and a kernel timed right after a torch baseline would share the cores
@@ -298,14 +300,14 @@ def _round_cases(n: int, rng: np.random.Generator, theta: np.ndarray, buf: np.nd
     offsets = _synthetic_offsets(n, rng)
     norms = np.stack([np.sqrt(k.segment_sumsq_int4(c, sc, offsets, block)) for c, sc in zip(codes, scales)])
     factors = np.full(offsets.size - 1, 0.5, dtype=np.float32)
-    # after the norms (codes only): the unit vectors summed (acc written), the sum's norms (acc read),
-    # the scaled step (acc read, theta and buf read and written)
-    rda_traffic = m * int4_bytes + 4 + 4 + 20
+    # after the norms (codes only): the unit vectors summed (acc written; the sum's norms taken from
+    # cache as it goes, so no traffic of their own), the scaled step (acc read, theta and buf read and
+    # written). The per-learner path reads acc once more for the sum's norms, beyond this figure.
+    rda_traffic = m * int4_bytes + 4 + 20
 
     def rda_fused() -> None:
         scratch.fill(0.0)
-        k.rda_accumulate_round_int4(scratch, weights, codes, scales, offsets, norms, block)
-        k.segment_sumsq(scratch, offsets)
+        k.rda_accumulate_round_int4_sumsq(scratch, weights, codes, scales, offsets, norms, block)
         k.nesterov_step_segments(theta, buf, scratch, offsets, factors, LEARNING_RATE, MOMENTUM)
 
     def rda_per_learner() -> None:
@@ -319,6 +321,22 @@ def _round_cases(n: int, rng: np.random.Generator, theta: np.ndarray, buf: np.nd
 
     cases.append(_Case(f"round rda int4 M={m}, fused", rda_traffic, rda_fused, None, None))
     cases.append(_Case(f"round rda int4 M={m}, per learner", rda_traffic, rda_per_learner, None, None))
+    # The accumulate alone, with the merged direction's sums of squares: taken in the same pass, and
+    # by segment_sumsq after it (the syncer's path before). Every contribution read once, acc read and
+    # written in place (not zeroed between runs: the values stay small, and a fill would be a third
+    # pass); the second call's extra read of acc is what the fused one saves.
+    accumulate_traffic = m * int4_bytes + 8
+
+    def accumulate_sumsq_fused() -> None:
+        k.rda_accumulate_round_int4_sumsq(scratch, weights, codes, scales, offsets, norms, block)
+
+    def accumulate_then_sumsq() -> None:
+        k.rda_accumulate_round_int4(scratch, weights, codes, scales, offsets, norms, block)
+        k.segment_sumsq(scratch, offsets)
+
+    name = f"rda accumulate int4 M={m}"
+    cases.append(_Case(f"{name} + sums of squares, fused", accumulate_traffic, accumulate_sumsq_fused, None, None))
+    cases.append(_Case(f"{name}, then segment_sumsq", accumulate_traffic, accumulate_then_sumsq, None, None))
     return cases
 
 

@@ -14,7 +14,8 @@ Contributions are summed in learner-id order, so the result does not depend on a
 The syncer takes `merge_round`'s MergedGradient to core.outer.update, which fuses what is left of the
 merge into the outer step: for the mean, every contribution is decoded, weighted and summed and the step
 taken in one pass over the fragment; for RDA, after the norms, one pass accumulates every contribution
-and one more scales per tensor and takes the step. `merge` materialises the same values, bit for bit.
+(taking the norms of the sum as it goes) and one more scales per tensor and takes the step. `merge`
+materialises the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -177,9 +178,10 @@ def _rda(
     parts: list[Contribution], weights: list[float], fragment: FragmentSpec
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """(the weighted sum of unit vectors, the per-tensor factors that scale it to the RDA merge, the
-    tensors that fell back to the mean). Three passes: the norms of every contribution (reading codes
-    only), every unit vector accumulated (fused into one pass when the codecs allow), the norms of the
-    sum; the scaling by the factors is left to the caller (fused into the outer step)."""
+    tensors that fell back to the mean). The norms of every contribution (reading codes only), then
+    every unit vector accumulated with the norms of the sum taken as it goes (one pass when the codecs
+    allow, else one per contribution and one more for the norms); the scaling by the factors is left to
+    the caller (fused into the outer step)."""
     offsets = fragment.offsets
     k = offsets.size - 1
     embedding = fragment.embedding_mask
@@ -196,13 +198,16 @@ def _rda(
     fused = _fused_codec(payloads, fragment.padded_size)
     w64 = np.asarray(weights, dtype=np.float64)
     if fused is Codec.INT4:
-        kernels.rda_accumulate_round_int4(acc, w64, *_int4_lists(payloads), offsets, norms, payloads[0].block)
+        sumsq = kernels.rda_accumulate_round_int4_sumsq(
+            acc, w64, *_int4_lists(payloads), offsets, norms, payloads[0].block
+        )
     elif fused is Codec.FP32:
-        kernels.rda_accumulate_round(acc, w64, [p.data for p in payloads], offsets, norms)
+        sumsq = kernels.rda_accumulate_round_sumsq(acc, w64, [p.data for p in payloads], offsets, norms)
     else:
         for m, (c, w) in enumerate(zip(parts, weights)):
             c.payload.rda_accumulate_into(acc, w, offsets, norms[m])
-    direction = np.sqrt(kernels.segment_sumsq(acc, offsets))
+        sumsq = kernels.segment_sumsq(acc, offsets)
+    direction = np.sqrt(sumsq)
     factors = np.ones(k, dtype=np.float32)
     fallback = []
     for i in range(k):

@@ -7,8 +7,9 @@ All loops release the GIL (the syncer runs them in an executor) and are compiled
 warmup(). Every wrapper takes `parallel=True`: False keeps the call on the calling thread (a learner's
 codec work beside its training step); results are the same bits either way (see _parallelism).
 A round's merge has fused kernels (round_mean*, rda_accumulate_round*, nesterov_step_segments) that
-read every contribution once, and the learner has one-pass encode and apply (quantize_delta_int4,
-apply_delta_int4); the int4 broadcast has its one-pass publish and the learner's apply of it
+read every contribution once (rda_accumulate_round*_sumsq also give the merged direction's per-tensor
+sums of squares, as segment_sumsq would, without another pass), and the learner has one-pass encode and
+apply (quantize_delta_int4, apply_delta_int4); the int4 broadcast has its one-pass publish and the learner's apply of it
 (publish_delta_int4, add_delta_int4, and add_delta_apart_int4 with the progress a learner keeps). `ddiloco.kernels.reference` holds a plain-numpy version of each with the same signature.
 """
 
@@ -54,6 +55,8 @@ _LAZY = {
     "rda_accumulate_int4": "_segments",
     "rda_accumulate_round": "_segments",
     "rda_accumulate_round_int4": "_segments",
+    "rda_accumulate_round_int4_sumsq": "_segments",
+    "rda_accumulate_round_sumsq": "_segments",
     "segment_sumsq": "_segments",
     "segment_sumsq_int4": "_segments",
     "warmup": "_warmup",
@@ -111,6 +114,8 @@ __all__ = [
     "rda_accumulate_int4",
     "rda_accumulate_round",
     "rda_accumulate_round_int4",
+    "rda_accumulate_round_int4_sumsq",
+    "rda_accumulate_round_sumsq",
     "round_mean",
     "round_mean_int4",
     "round_mean_step",

@@ -13,15 +13,25 @@ depends on the length only, every piece gets its own partial sum, and the partia
 segment in slice order afterwards: no two threads write the same number, and the result depends only
 on the layout, never on the threads. The accumulates are elementwise and take one slice per thread.
 
-A round's RDA merge runs in three passes here (the per-contribution norms come first): the per-tensor
-norms of each contribution (segment_sumsq*), every contribution's unit vector accumulated in one pass
-(rda_accumulate_round*), and, once the merged direction's norms are known, the per-tensor scaling fused
-into the outer step (nesterov_step_segments).
+A round's RDA merge runs in three passes here: the per-tensor norms of each contribution
+(segment_sumsq*, from the codes alone), every contribution's unit vector accumulated with the merged
+direction's per-tensor sums of squares taken as it goes (rda_accumulate_round*_sumsq), and, once those
+norms are known, the per-tensor scaling fused into the outer step (nesterov_step_segments).
+
+The accumulate with the sums runs on segment_sumsq's own cut (slices of CHUNK_ELEMENTS, at most
+REDUCTION_SLICES_MAX of them, fixed by the length) rather than one slice per thread, and sums each of
+its pieces right after the tile that completes it, while the piece is still in cache (a piece is at
+most a slice, 1/64 of the fragment: 160 KiB of a 2.6M-element one): the same ranges summed by the same
+loop, so the same bits as segment_sumsq after the accumulate, on either driver. A piece is summed
+whole, never tile by tile, because the reassociated sum's order depends on its bounds. It follows that
+this accumulate uses at most REDUCTION_SLICES_MAX threads, and that an int4 block which does not
+divide CHUNK_ELEMENTS (none the core uses) takes the two passes instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -270,18 +280,23 @@ def _rda_int4_parallel(acc, weight, codes, scales, offsets, norms, block, bounds
 
 
 @njit(nogil=True, cache=True)
+def _rda_round_tile(acc, weights, xs, codes, scales, offsets, norms, block, int4, t0, t1):
+    # Every contribution in learner order over elements [t0, t1): exactly the additions of one
+    # rda_accumulate* call per contribution. int4: codes/scales are used, else xs.
+    seg = np.searchsorted(offsets, t0, side="right") - 1
+    for m in range(weights.size):
+        if int4:
+            _rda_int4_slice(acc, weights[m], codes[m], scales[m], offsets, norms[m], block, t0, t1, seg)
+        else:
+            _rda_slice(acc, weights[m], xs[m], offsets, norms[m], t0, t1, seg)
+
+
+@njit(nogil=True, cache=True)
 def _rda_round_range(acc, weights, xs, codes, scales, offsets, norms, block, int4, lo, hi, tile):
-    # Elements [lo, hi) (hi <= offsets[-1]) tile by tile; within a tile every contribution in learner
-    # order, exactly the additions of one rda_accumulate* call per contribution. The tile of `acc` stays
-    # in cache while the contributions stream past. int4: codes/scales are used, else xs.
+    # Elements [lo, hi) (hi <= offsets[-1]) tile by tile: the tile of `acc` stays in cache while the
+    # contributions stream past.
     for t0 in range(lo, hi, tile):
-        t1 = min(t0 + tile, hi)
-        seg = np.searchsorted(offsets, t0, side="right") - 1
-        for m in range(weights.size):
-            if int4:
-                _rda_int4_slice(acc, weights[m], codes[m], scales[m], offsets, norms[m], block, t0, t1, seg)
-            else:
-                _rda_slice(acc, weights[m], xs[m], offsets, norms[m], t0, t1, seg)
+        _rda_round_tile(acc, weights, xs, codes, scales, offsets, norms, block, int4, t0, min(t0 + tile, hi))
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -289,6 +304,76 @@ def _rda_round_parallel(acc, weights, xs, codes, scales, offsets, norms, block, 
     for s in prange(bounds.size - 1):
         _rda_round_range(
             acc, weights, xs, codes, scales, offsets, norms, block, int4, bounds[s], min(bounds[s + 1], end), tile
+        )
+
+
+@njit(nogil=True, cache=True)
+def _rda_round_sumsq_slice(acc, weights, xs, codes, scales, offsets, norms, block, int4, a, b, tile, seg, partial, p):
+    # One slice [a, b) of segment_sumsq's cut, accumulated as _rda_round_range does, with each of its
+    # pieces summed (as _sumsq_slice sums it) once the tile holding its last element is done: a piece
+    # is read back from cache, and its sum sees the same range, hence the same bits, as after the
+    # whole accumulate. A piece cannot be summed tile by tile: _sumsq_serial's reassociated order
+    # depends on where it starts and ends.
+    pos = a
+    for t0 in range(a, b, tile):
+        t1 = min(t0 + tile, b)
+        _rda_round_tile(acc, weights, xs, codes, scales, offsets, norms, block, int4, t0, t1)
+        while pos < t1:
+            end = min(offsets[seg + 1], b)
+            if end > t1:
+                break  # its last elements lie in a later tile
+            partial[p] = _sumsq_serial(acc[pos:end])
+            pos = end
+            seg += 1
+            p += 1
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _rda_round_sumsq_parallel(
+    acc, weights, xs, codes, scales, offsets, norms, block, int4, tile, bounds, end, seg_first, piece_start, partial
+):
+    for s in prange(bounds.size - 1):
+        _rda_round_sumsq_slice(
+            acc,
+            weights,
+            xs,
+            codes,
+            scales,
+            offsets,
+            norms,
+            block,
+            int4,
+            bounds[s],
+            min(bounds[s + 1], end),
+            tile,
+            seg_first[s],
+            partial,
+            piece_start[s],
+        )
+
+
+@njit(nogil=True, cache=True)
+def _rda_round_sumsq_sequential(
+    acc, weights, xs, codes, scales, offsets, norms, block, int4, tile, bounds, end, seg_first, piece_start, partial
+):
+    # the same slices one after another, as _sumsq_sequential: identical partials
+    for s in range(bounds.size - 1):
+        _rda_round_sumsq_slice(
+            acc,
+            weights,
+            xs,
+            codes,
+            scales,
+            offsets,
+            norms,
+            block,
+            int4,
+            bounds[s],
+            min(bounds[s + 1], end),
+            tile,
+            seg_first[s],
+            partial,
+            piece_start[s],
         )
 
 
@@ -448,7 +533,21 @@ _UNUSED_F32 = (_readonly_empty(np.float32),)
 _UNUSED_U8 = (_readonly_empty(np.uint8),)
 
 
-def _rda_round(
+class _Round(NamedTuple):
+    """A round's arguments, validated, in the order its kernels take them (with the lists typed)."""
+
+    acc: np.ndarray
+    weights: np.ndarray
+    xs: Sequence[np.ndarray]
+    codes: Sequence[np.ndarray]
+    scales: Sequence[np.ndarray]
+    offsets: np.ndarray
+    norms: np.ndarray
+    block: int
+    int4: bool
+
+
+def _checked_round(
     acc: object,
     weights: object,
     xs: object,
@@ -457,8 +556,9 @@ def _rda_round(
     offsets: object,
     norms: object,
     block: object,
-    parallel: bool,
-) -> None:
+) -> tuple[_Round, int, int]:
+    """A round's arguments validated, with the number of segments and the alignment unit of its
+    slices (the int4 block, or CHUNK_ELEMENTS)."""
     int4 = xs is None
     _checks.vector("acc", acc, np.float32, writeable=True)
     weights = _checks.weights(weights)
@@ -481,16 +581,45 @@ def _rda_round(
             named[f"xs[{m}]"] = xs[m]
         codes, scales, block, unit = _UNUSED_U8, _UNUSED_F32, 0, CHUNK_ELEMENTS
     _checks.written_apart({"acc": acc}, {"offsets": offsets, "norms": norms, **named})
-    end = int(offsets[-1])
+    return _Round(acc, weights, xs, codes, scales, offsets, norms, block, int4), segments, unit
+
+
+def _kernel_args(r: _Round) -> _Round:
+    """The round as its kernels take it: the per-contribution arrays as typed lists, built per call."""
+    return r._replace(xs=typed_list(r.xs), codes=typed_list(r.codes), scales=typed_list(r.scales))
+
+
+def _run_round(r: _Round, unit: int, parallel: bool) -> None:
+    end = int(r.offsets[-1])
     if end == 0:
         return
-    args = (acc, weights, typed_list(xs), typed_list(codes), typed_list(scales), offsets, norms, block, int4)
     tile = tile_elements(unit)
     bounds = thread_bounds(end, unit, parallel)
     if bounds is None:
-        _rda_round_range(*args, 0, end, tile)
+        _rda_round_range(*_kernel_args(r), 0, end, tile)
     else:
-        _rda_round_parallel(*args, end, tile, bounds)
+        _rda_round_parallel(*_kernel_args(r), end, tile, bounds)
+
+
+def _run_round_sumsq(r: _Round, segments: int, unit: int, parallel: bool) -> np.ndarray:
+    """_run_round, then segment_sumsq(acc, offsets) of the result with its bits, in the same pass."""
+    acc, offsets = r.acc, r.offsets
+    end = int(offsets[-1])
+    if end == 0:
+        return np.zeros(segments, dtype=np.float64)
+    if CHUNK_ELEMENTS % unit:
+        # The sums' cut would start slices inside a block, where the accumulate never starts a tile:
+        # two passes keep every bit as it is. No codec the core uses has such a block.
+        _run_round(r, unit, parallel)
+        return segment_sumsq(acc, offsets, parallel=parallel)
+    # segment_sumsq's own cut and pieces, which fix its bits; the accumulate gives the same values on
+    # any cut, each element being computed alone
+    bounds = slice_bounds(end, CHUNK_ELEMENTS)
+    seg_first, piece_start, piece_segment = _piece_plan(offsets, bounds, end)
+    partial = np.zeros(piece_start[-1], dtype=np.float64)
+    run = _rda_round_sumsq_parallel if use_parallel(end, parallel) else _rda_round_sumsq_sequential
+    run(*_kernel_args(r), tile_elements(unit), bounds, end, seg_first, piece_start, partial)
+    return _reduce(partial, piece_segment, segments)
 
 
 def rda_accumulate_round(
@@ -505,7 +634,8 @@ def rda_accumulate_round(
     """Every contribution of a round in one pass: for m in order, rda_accumulate(acc, weights[m], xs[m],
     offsets, norms[m]), with the same bits; norms is float64[m, k]. Each contribution is read once and
     each tile of `acc` stays in cache while they are added."""
-    _rda_round(acc, weights, xs, None, None, offsets, norms, 0, parallel)
+    r, _, unit = _checked_round(acc, weights, xs, None, None, offsets, norms, 0)
+    _run_round(r, unit, parallel)
 
 
 def rda_accumulate_round_int4(
@@ -521,7 +651,41 @@ def rda_accumulate_round_int4(
 ) -> None:
     """rda_accumulate_round of int4-coded contributions: for m in order, rda_accumulate_int4(acc,
     weights[m], codes[m], scales[m], offsets, norms[m], block), in one pass and with the same bits."""
-    _rda_round(acc, weights, None, codes, scales, offsets, norms, block, parallel)
+    r, _, unit = _checked_round(acc, weights, None, codes, scales, offsets, norms, block)
+    _run_round(r, unit, parallel)
+
+
+def rda_accumulate_round_sumsq(
+    acc: np.ndarray,
+    weights: np.ndarray,
+    xs: Sequence[np.ndarray],
+    offsets: np.ndarray,
+    norms: np.ndarray,
+    *,
+    parallel: bool = True,
+) -> np.ndarray:
+    """rda_accumulate_round, returning float64[k] segment_sumsq(acc, offsets) of the result, the same
+    bits on either driver, without the pass over `acc` that call would take: each piece of `acc` is
+    summed while it is still in cache."""
+    r, segments, unit = _checked_round(acc, weights, xs, None, None, offsets, norms, 0)
+    return _run_round_sumsq(r, segments, unit, parallel)
+
+
+def rda_accumulate_round_int4_sumsq(
+    acc: np.ndarray,
+    weights: np.ndarray,
+    codes: Sequence[np.ndarray],
+    scales: Sequence[np.ndarray],
+    offsets: np.ndarray,
+    norms: np.ndarray,
+    block: int = _checks.BLOCK_DEFAULT,
+    *,
+    parallel: bool = True,
+) -> np.ndarray:
+    """rda_accumulate_round_int4, returning float64[k] segment_sumsq(acc, offsets) of the result with
+    its bits, as rda_accumulate_round_sumsq does."""
+    r, segments, unit = _checked_round(acc, weights, None, codes, scales, offsets, norms, block)
+    return _run_round_sumsq(r, segments, unit, parallel)
 
 
 def nesterov_step_segments(

@@ -49,6 +49,10 @@ def _run_all(n: int) -> None:
     _dense.round_mean_step(acc, buf, weights, [x, x], 0.7, 0.9)
     _segments.rda_accumulate_round(acc, weights, [x, x], offsets, both)
     _segments.rda_accumulate_round_int4(acc, weights, [codes, codes], [scales, scales], offsets, both, BLOCK_DEFAULT)
+    _segments.rda_accumulate_round_sumsq(acc, weights, [x, x], offsets, both)
+    _segments.rda_accumulate_round_int4_sumsq(
+        acc, weights, [codes, codes], [scales, scales], offsets, both, BLOCK_DEFAULT
+    )
     _segments.nesterov_step_segments(acc, buf, x, offsets, np.ones(offsets.size - 1, np.float32), 0.7, 0.9)
     # the learner's one-pass encode and apply
     _, _, residual = _lowbit.quantize_delta_int4(x, acc, buf, BLOCK_DEFAULT)

@@ -262,6 +262,16 @@ def rda_accumulate_round_int4(acc, weights, codes, scales, offsets, norms, block
         rda_accumulate_int4(acc, w, c, s, offsets, n, block)
 
 
+def rda_accumulate_round_sumsq(acc, weights, xs, offsets, norms) -> np.ndarray:
+    rda_accumulate_round(acc, weights, xs, offsets, norms)
+    return segment_sumsq(acc, offsets)
+
+
+def rda_accumulate_round_int4_sumsq(acc, weights, codes, scales, offsets, norms, block=BLOCK_DEFAULT) -> np.ndarray:
+    rda_accumulate_round_int4(acc, weights, codes, scales, offsets, norms, block)
+    return segment_sumsq(acc, offsets)
+
+
 def nesterov_step_segments(theta, buf, g, offsets, factors, lr, mu) -> None:
     scaled = g.copy()
     for (a, b), f in zip(_segments(offsets), factors):
@@ -325,6 +335,8 @@ __all__ = [
     "rda_accumulate_int4",
     "rda_accumulate_round",
     "rda_accumulate_round_int4",
+    "rda_accumulate_round_int4_sumsq",
+    "rda_accumulate_round_sumsq",
     "round_mean",
     "round_mean_int4",
     "round_mean_step",

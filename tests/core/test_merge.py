@@ -182,3 +182,23 @@ def test_the_fused_round_steps_like_the_merged_values_bit_for_bit(method, codecs
     np.testing.assert_array_equal(got_state.buf, want_state.buf)
     if codecs[0] != "int2":  # int2 has no zero level: blocks shared with tensor 1 decode to +-scale
         assert info.mean_fallback_tensors == (("t2",) if method == "rda" else ())
+
+
+@pytest.mark.parametrize("codecs", [("int4",) * 3, ("fp32",) * 2])
+def test_the_fused_rda_takes_the_directions_norms_with_the_bits_of_a_separate_pass(codecs, monkeypatch):
+    # the fused round's accumulate gives the sums of squares of the merged direction as it goes; with
+    # the fused kernels switched off, the accumulate per contribution and segment_sumsq after it
+    from ddiloco.core import merge as merging
+
+    sizes = [200000, 300, 0, 70000, 130]
+    frag = one_fragment(sizes, embedding=(1,))
+    rng = np.random.default_rng(3)
+    vecs = [padded(frag, *(rng.standard_normal(s).astype(np.float32) for s in sizes)) for _ in codecs]
+    cs = [contrib(i + 1, 1.0 + i, v, name) for i, (v, name) in enumerate(zip(vecs, codecs))]
+    assert frag.padded_size >= merging.FUSED_ELEMENTS_MIN
+    fused, info = merging.merge_round(cs, frag)
+    monkeypatch.setattr(merging, "FUSED_ELEMENTS_MIN", frag.padded_size + 1)
+    apart, info_apart = merging.merge_round(cs, frag)
+    assert info_apart == info
+    np.testing.assert_array_equal(fused.summed.view(np.uint32), apart.summed.view(np.uint32))
+    np.testing.assert_array_equal(fused.factors.view(np.uint32), apart.factors.view(np.uint32))

@@ -97,6 +97,10 @@ def test_after_warmup_no_input_compiles_another_version(frozen):
             kernels.rda_accumulate_round_int4(
                 acc, weights, [codes, codes], [scales, scales], offsets, both, parallel=parallel
             )
+            kernels.rda_accumulate_round_sumsq(acc, weights, [x, x], offsets, both, parallel=parallel)
+            kernels.rda_accumulate_round_int4_sumsq(
+                acc, weights, [codes, codes], [scales, scales], offsets, both, parallel=parallel
+            )
             kernels.nesterov_step_segments(acc, buf, x, offsets, factors, 0.7, 0.9, parallel=parallel)
             _, _, residual = kernels.quantize_delta_int4(x, acc, as_received(buf), parallel=parallel)
             kernels.quantize_delta_int4(x, acc, parallel=parallel)
