@@ -203,6 +203,9 @@ class _Learner:
             error_feedback=self.run.cfg.error_feedback,
             alpha=self.run.cfg.alpha,
             keep_progress=self.run.cfg.keep_progress,
+            # On the virtual clock every step is computed at its call; asking the devices would let
+            # the real time of this process into the simulated one.
+            report_computed=False,
         )
         self.sync = DilocoSync.connect(self.params, sync_cfg, transport=self.transport)
         self.transport.flush()  # the initial parameters, when this learner was asked for them

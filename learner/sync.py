@@ -40,6 +40,7 @@ from ddiloco.errors import UserError
 from ddiloco.learner import arrivals, background, local_state, pushes, recovery
 from ddiloco.learner import schedule as scheduling
 from ddiloco.learner.fragment import FragmentSync, progress_report, replaced
+from ddiloco.learner.lead import DispatchLead
 from ddiloco.learner.pushes import PUSH_SKIPS_LIMIT, PUSH_SKIPS_MAX
 from ddiloco.learner.schedule import due_fragments
 from ddiloco.learner.tape import LearnerTapeWriter
@@ -113,6 +114,10 @@ class SyncConfig:
     # background thread while the training steps run (learner.background); False: on the training
     # thread. The pushes and parameters are the same bits either way.
     background: bool = True
+    # Progress reports name the newest step the devices have computed, not the newest dispatched
+    # (learner.lead): the syncer then opens a round when its first push can leave. False: the step
+    # dispatched, as a loop on a virtual clock needs (its steps are computed at their calls).
+    report_computed: bool = True
     urls: tuple[str, ...] = field(init=False)  # from `url`, one per shard
 
     def __post_init__(self) -> None:
@@ -178,6 +183,7 @@ class DilocoSync:
         self.fragments: tuple[FragmentSync, ...] = ()
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
+        self._lead = DispatchLead()  # the steps dispatched and not known computed (report_computed)
         self._schedule = scheduling.Schedule()
         self._pushes = pushes.Pushes(last={})
         self._deferred: arrivals.Deferred = {}  # arrived versions waiting behind a push (arrivals.defer)
@@ -237,6 +243,7 @@ class DilocoSync:
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
         self._schedule = scheduling.schedule_of(welcome, self._layout.num_fragments)
         self.step_count = welcome.global_step
+        self._lead = DispatchLead(self.step_count)
         self.recovered_from = "init" if welcome.needs_init else "syncer"
         if welcome.needs_init:
             self._send_init(self._initial, welcome.init_fragments)
@@ -358,6 +365,7 @@ class DilocoSync:
             self.tape.recovered(got.source, got.step, got.versions, copied)
         if got.versions:
             self.step_count = got.step
+            self._lead = DispatchLead(self.step_count)
             # The base is the copied parameters, not the peer's base: the outer gradient this
             # learner pushes then holds its own progress only, not a second copy of the peer's.
             self.fragments = tuple(
@@ -383,6 +391,7 @@ class DilocoSync:
             )
         fragments = local_state.fragments_of(snap, sync_meta, versions, layout.num_fragments)
         self.step_count = step
+        self._lead = DispatchLead(self.step_count)
         self.fragments = fragments
         for q in range(layout.num_fragments):
             self._tell_background(q)
@@ -487,7 +496,7 @@ class DilocoSync:
             for q in held:
                 if not pushes.waits_on_push(self._pushes, q, self.fragments[q].version, self.config.push_skips_max):
                     self._pushes = pushes.started(self._pushes, self._start_push(params, q))
-        report = progress_report(self.step_count, self.fragments)
+        report = progress_report(self._reported_step(tree, params), self.fragments)
         if scheduling.serves_any(self._schedule, report.versions):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live). To a
@@ -505,6 +514,18 @@ class DilocoSync:
                 self.tape.published(self.calls, self.step_count, snapshot)
             self.snapshots.publish(snapshot)
         return params
+
+    def _reported_step(self, tree: TreeFragments, params: Any) -> int:
+        """The step a progress report names (SyncConfig.report_computed): the newest computed."""
+        if not self.config.report_computed:
+            return self.step_count
+        return self._lead.dispatched(self.step_count, tree.probe(params))
+
+    @property
+    def steps_ahead(self) -> int:
+        """Steps dispatched and not known computed at the last call: how far the loop runs ahead
+        of its devices (0 where reports name the step dispatched)."""
+        return self._lead.pending
 
     def _apply_arrived(self, params: Any, updates: dict[int, list[session.UpdateInfo]], sent: tuple[int, ...]) -> Any:
         """Apply the updates of each fragment that arrived, in order, except those that wait behind a

@@ -569,6 +569,7 @@ class ThreadedClient:
         self._held: deque = deque(maxlen=1)
         self._forwarded_at = float("-inf")  # on `clock`, by the training thread
         self._forwarded_versions: tuple[int, ...] | None = None
+        self._reported_step: int | None = None  # the step of the last report handed over
         self._flush_armed = False  # on the loop: a timer will forward what is held
         self._client: SyncerClient | None = None
         self._ready = threading.Event()
@@ -642,7 +643,8 @@ class ThreadedClient:
         self._check()
         check_progress(item)
         now = self._clock()
-        due = self._welcome is not None and self._welcome.opens_round(item.step)
+        due = self._welcome is not None and self._welcome.opens_round(item.step, self._reported_step)
+        self._reported_step = item.step
         if not due and item.versions == self._forwarded_versions and now - self._forwarded_at < self._interval_s:
             self._held.append((self._welcomes_seen, item, now))
             return

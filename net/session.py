@@ -83,9 +83,17 @@ class WelcomeInfo:
     # (needs_init: some shard does). None: the welcome of one syncer, or of one shard.
     init_shards: tuple[int, ...] | None = None
 
-    def opens_round(self, step: int) -> bool:
-        """Whether some fragment's round opens when the syncer's global step reaches `step`."""
-        return step % self.period in self.offsets
+    def opens_round(self, step: int, after: int | None = None) -> bool:
+        """Whether some fragment's round opens when the syncer's global step reaches `step`; given
+        `after`, at any step in (after, step]: a report of the newest computed step may move on by
+        several steps at once (learner.lead)."""
+        if after is not None and step <= after:
+            return False  # no step reached since: what opened there was told
+        if after is None or step - after == 1:
+            return step % self.period in self.offsets
+        if step - after >= self.period:
+            return bool(self.offsets)
+        return any(s % self.period in self.offsets for s in range(after + 1, step + 1))
 
     @property
     def owned(self) -> tuple[int, ...]:

@@ -134,10 +134,18 @@ def test_runner_and_daemon_give_the_same_merges(threaded_syncer):
         learners = []
         for i in range(m):
             params = ex.initial_params(TINY, cfg.seed)
-            # every step's report, as the runner's learners send them (lockstep needs each one)
+            # every step's report, as the runner's learners send them (lockstep needs each one), of
+            # the step dispatched, as on the runner's virtual clock
             sync = DilocoSync.connect(
                 params,
-                SyncConfig(url=daemon.url, name=f"learner-{i}", token=TOKEN, codec=cfg.codec, progress_interval_s=0.0),
+                SyncConfig(
+                    url=daemon.url,
+                    name=f"learner-{i}",
+                    token=TOKEN,
+                    codec=cfg.codec,
+                    progress_interval_s=0.0,
+                    report_computed=False,
+                ),
             )
             sync.client = _Recorded(sync.client)
             syncs.append(sync)

@@ -486,3 +486,47 @@ def test_a_learner_behind_the_global_step_moves_up_to_it_and_pushes_into_the_ope
         s.server.state.ledger.check()
     finally:
         s.stop()
+
+
+def _slow_inner_step(params, target):
+    """`inner_step` behind a computation of a few hundred milliseconds on 2 cores: a loop that does
+    not wait for its steps calls the hook long before the devices finish."""
+    heavy = jnp.full((256, 256), 1 / 256, dtype=jnp.float32)
+    heavy = jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ y), heavy)
+    nudged = jax.tree_util.tree_map(lambda x: x + (0 * heavy[0, 0]).astype(x.dtype), params)
+    return inner_step(nudged, target)
+
+
+def test_reports_name_the_newest_step_computed_not_the_newest_dispatched(threaded_syncer):
+    """learner.lead: a loop that runs ahead of its devices reports the step they finished, so that the
+    syncer opens a round when its first push can leave; once the loop waits, the report catches up."""
+    s = threaded_syncer(num_fragments=2, period=64, quorum=1, token=TOKEN)
+    params, target = model(1), model(10)
+    sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=0.0))
+    slow = jax.jit(_slow_inner_step)
+    try:
+        deadline = time.monotonic() + 60
+        while min(sync.versions) < 0 or s.read(lambda st: st.learners[sync.learner_id].step) < 1:
+            assert time.monotonic() < deadline, "the learner never held its fragments"
+            params = sync.step(inner_step(params, target), tokens=128)
+            time.sleep(0.01)
+        jax.block_until_ready(slow(params, target))  # compiled, so a call below returns at once
+        computed = sync.step_count
+        for _ in range(3):
+            params = sync.step(slow(params, target), tokens=128)
+        assert sync.steps_ahead >= 1  # the devices are still at it
+        me = sync.learner_id
+        # what the syncer heard is a step the devices finished, not one of the three dispatched
+        assert s.read(lambda st: st.learners[me].step) <= computed + (3 - sync.steps_ahead)
+        jax.block_until_ready(params)  # the loop reads its loss, say
+        params = sync.step(inner_step(params, target), tokens=128)
+        jax.block_until_ready(params)
+        params = sync.step(inner_step(params, target), tokens=128)
+        want = sync.step_count
+        while s.read(lambda st: st.learners[me].step) < want:
+            assert time.monotonic() < deadline, "the report never caught up with the steps computed"
+            time.sleep(0.01)
+        sync.close()
+        s.server.state.ledger.check()
+    finally:
+        s.stop()

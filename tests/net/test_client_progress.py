@@ -113,6 +113,11 @@ def test_the_schedule_comes_from_the_welcome():
     info = session.client_view(m)
     assert (info.period, info.offsets) == (12, (0, 4, 8))
     assert [t for t in range(100, 125) if info.opens_round(t)] == [100, 104, 108, 112, 116, 120, 124]
+    # A report of the newest computed step moves on by several steps at once (learner.lead): a
+    # round opened at any step passed is due; none where no step was reached since.
+    assert info.opens_round(107, after=103) and not info.opens_round(107, after=104)
+    assert info.opens_round(201, after=101) and not info.opens_round(104, after=104)
+    assert info.opens_round(105, after=104) is False and info.opens_round(108, after=107)
 
 
 def test_interval_is_validated():
@@ -134,3 +139,13 @@ def test_a_report_of_a_version_below_0_is_refused_where_it_is_handed_over(paced)
         )
     tc.progress(report(2))  # the client goes on
     assert queued() == [2]
+
+
+def test_a_report_that_moves_past_a_round_opening_goes_at_once_and_a_repeat_is_held(paced):
+    """Reports name the newest computed step (learner.lead): it may stay a few calls, then jump."""
+    tc, clock, queued = paced(5.0)
+    tc._welcome = session.WelcomeInfo(1, {}, "ab" * 32, (0, 0), 0, False, period=6, offsets=(0, 3))
+    for step in (1, 1, 1, 2, 5, 5, 7, 7, 7, 8):
+        clock.now += 0.01
+        tc.progress(report(step))
+    assert queued() == [1, 5, 7]  # 5 passed step 3, 7 passed step 6; 1, 5 and 7 again opened nothing new

@@ -1,0 +1,101 @@
+"""learner.lead: the newest step the devices have computed, asked of real JAX arrays on the CPU
+(JAX dispatches there asynchronously too), and TreeFragments.probe, the array it asks."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddiloco.core.layout import build_layout
+from ddiloco.learner import lead
+from ddiloco.learner.lead import DispatchLead
+from ddiloco.learner.tree import TreeFragments, tensor_specs
+
+# One step of a few hundred milliseconds on 2 cores: a call right after its dispatch finds it not
+# computed, however loaded the machine.
+SLOW_ITERATIONS = 300
+
+
+def _slow(x):
+    return jax.lax.fori_loop(0, SLOW_ITERATIONS, lambda i, y: jnp.tanh(y @ y), x)
+
+
+slow_step = jax.jit(_slow)
+slow_donating_step = jax.jit(_slow, donate_argnums=0)
+
+
+def _start() -> jax.Array:
+    x = jnp.full((256, 256), 1 / 256, dtype=jnp.float32)
+    slow_step(x).block_until_ready()  # compiled: a dispatch from here on returns at once
+    slow_donating_step(jnp.array(x)).block_until_ready()
+    return x
+
+
+def test_a_loop_that_runs_ahead_reports_the_step_its_devices_finished():
+    x, counted = _start(), DispatchLead(10)
+    seen = []
+    for step in (11, 12, 13):
+        x = slow_step(x)
+        seen.append(counted.dispatched(step, x))
+    assert seen == [10, 10, 10] and counted.pending == 3  # none computed at its call
+    x.block_until_ready()  # the loop reads its loss, say
+    assert counted.dispatched(14, x) == 14 and counted.pending == 0
+
+
+def test_a_probe_donated_to_the_next_step_says_nothing_and_the_newest_does():
+    x, counted = _start(), DispatchLead(0)
+    x = slow_donating_step(jnp.array(x))
+    assert counted.dispatched(1, x) == 0
+    x2 = slow_donating_step(x)  # x is donated: deleted, its own step's end unknown
+    assert x.is_deleted() and counted.dispatched(2, x2) == 0 and counted.pending == 1
+    x2.block_until_ready()
+    assert counted.dispatched(3, x2) == 3
+
+
+def test_host_values_are_computed_at_their_call():
+    counted = DispatchLead(5)
+    assert counted.dispatched(6, None) == 6 and counted.pending == 0
+
+
+def test_a_loop_further_ahead_than_the_limit_counts_the_oldest_computed(monkeypatch):
+    monkeypatch.setattr(lead, "LEAD_STEPS_MAX", 2)
+    x, counted = _start(), DispatchLead(0)
+    got = []
+    for step in (1, 2, 3, 4):
+        x = slow_step(x)
+        got.append(counted.dispatched(step, x))
+    assert got == [0, 0, 1, 2] and counted.pending == 2
+    x.block_until_ready()
+
+
+@dataclasses.dataclass
+class _Module:  # attributes, as an equinox module's fields are reached
+    w: object
+    b: object
+
+
+jax.tree_util.register_dataclass(_Module, data_fields=["w", "b"], meta_fields=[])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"b": {"z": jnp.ones(3)}, "a": [jnp.zeros(2), jnp.ones(4)]},
+        [{"w": jnp.ones((2, 2))}, jnp.zeros(3)],
+        {"layer": _Module(jnp.ones(5), jnp.zeros(5))},
+    ],
+)
+def test_the_probe_is_the_first_leaf_found_by_its_path(params):
+    tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
+    first = jax.tree_util.tree_leaves(params)[0]
+    assert tree.probe(params) is first
+    moved = jax.tree_util.tree_map(lambda v: v + 1, params)  # the next step's values, same structure
+    assert tree.probe(moved) is jax.tree_util.tree_leaves(moved)[0]
+
+
+def test_host_leaves_have_no_probe():
+    params = {"a": np.ones(4, np.float32), "b": np.zeros(2, np.float32)}
+    tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
+    assert tree.probe(params) is None
