@@ -312,6 +312,9 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "wall_s": raw["wall_s"],
         "rejected": raw["rejected"],
         "pushes": sum(r["pushes"] for r in raw["learners"]),
+        # per learner process: a learner whose connection died pushes nothing, and the rest then
+        # measure a lighter syncer than the one asked for
+        "pushes_per_learner": sorted(r["pushes"] for r in raw["learners"]),
     }
 
 
@@ -514,6 +517,13 @@ def _rss_now() -> int:
         return 0
 
 
+def _pushing(per_learner: list[int]) -> str:
+    """How many learner processes pushed, and the fewest and most pushes of one."""
+    live = sum(1 for n in per_learner if n > 0)
+    warn = "" if live == len(per_learner) else " (a learner that pushed nothing: its connection failed; see its log)"
+    return f"{live} of {len(per_learner)} learners, {min(per_learner)} to {max(per_learner)} pushes each{warn}"
+
+
 def format_report(r: dict) -> str:
     c = r["config"]
     rows = [
@@ -523,6 +533,7 @@ def format_report(r: dict) -> str:
             f"{c['params'] / 1e6:.1f}M ({c['fragments']} fragments, push {c['codec']}, broadcast {c['broadcast_codec']}, {c['merge']})",
         ),
         ("measured", f"{r['wall_s']:.1f} s, {r['merges']} merges, {r['pushes']} pushes"),
+        ("pushing", _pushing(r["pushes_per_learner"])),
         ("merges/s", f"{r['merges_per_s']:.2f}"),
         ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
         (

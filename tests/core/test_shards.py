@@ -134,6 +134,7 @@ def test_books_resends_and_catching_up_look_at_owned_fragments_only():
         report(h, 1, step, (h.state.fragments[0].version, 7, 0, 7))
         h.push(1, 0, step)
     assert h.state.fragments[0].version == 3
+    h.now += syncer.WHOLE_RESEND_STUCK_S  # its version has not moved for that long
     sent = h.of(SendUpdate, report(h, 2, 1, (0, 0, 0, 0)))
     assert [(u.fragment, u.learners, u.base_version) for u in sent] == [(0, (2,), -1)]
     h.state.ledger.check()

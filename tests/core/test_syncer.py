@@ -600,7 +600,8 @@ def test_a_learner_reporting_versions_behind_is_sent_the_fragment_whole_once_per
         return [e for e in h.of(SendUpdate, effects) if e.learners == (2,) and e.base_version < 0]
 
     behind = Progress(2, 6, (0, 0), (6, 6), (600, 600))
-    sent = whole_to_2(h.send(behind))
+    assert whole_to_2(h.send(behind)) == []  # not yet: its deltas may be on their way
+    sent = whole_to_2(h.send(behind, dt=syncer.WHOLE_RESEND_STUCK_S))  # its version has not moved since
     assert [e.fragment for e in sent] == [p for p, f in enumerate(h.state.fragments) if f.version >= 2]
     assert sent and all(e.version == h.state.fragments[e.fragment].version for e in sent)
     assert whole_to_2(h.send(Progress(2, 7, (0, 0), (7, 7), (700, 700)))) == []  # once per version
@@ -613,6 +614,30 @@ def test_a_learner_reporting_versions_behind_is_sent_the_fragment_whole_once_per
     assert newer and set(newer) <= {e.fragment for e in again}  # a newer version: sent again
     assert all(e.version > previous[e.fragment] for e in again)  # and only a newer one
     h.state.ledger.check()
+
+
+def test_a_learner_that_follows_the_broadcast_slowly_is_not_sent_whole_copies():
+    """Versions behind but moving on (the deltas queued to it arrive, late): a whole copy on top of
+    them would only slow its link further. Once its version stops moving, it gets one."""
+    h = Harness(quorum=1)
+    two_live(h)
+    held = [f.version for f in h.state.fragments]
+
+    def whole_to_2(effects):
+        return [e for e in h.of(SendUpdate, effects) if e.learners == (2,) and e.base_version < 0]
+
+    for step in range(1, 41):
+        opened = [f.rounds_opened for f in h.state.fragments]
+        h.progress(1, step, dt=0.1)
+        for p, f in enumerate(h.state.fragments):
+            if f.rounds_opened > opened[p]:
+                h.push(1, p, step)
+        # learner 2 takes each version three merges after it was made: two or more behind
+        held = [max(v, f.version - 3) for v, f in zip(held, h.state.fragments)]
+        assert whole_to_2(h.send(Progress(2, step, tuple(held), (step, step), (100 * step, 100 * step)))) == []
+    assert min(f.version - v for f, v in zip(h.state.fragments, held)) >= syncer.WHOLE_RESEND_LAG
+    stuck = Progress(2, 41, tuple(held), (41, 41), (4100, 4100))
+    assert whole_to_2(h.send(stuck, dt=syncer.WHOLE_RESEND_STUCK_S)) != []
 
 
 def test_late_pushes_ride_along_but_never_close_a_round():
