@@ -123,6 +123,8 @@ class LearnerRecord:
     resent: dict[int, int] = field(default_factory=dict)
     # fragment -> when its reports last held another version (WHOLE_RESEND_STUCK_S)
     held_since: dict[int, float] = field(default_factory=dict)
+    # fragment -> the newest version an update effect sent it (whole or delta, `update_effect`)
+    addressed: dict[int, int] = field(default_factory=dict)
     # fragment -> (base version, steps, tokens) of its last admitted push: the next push from the same
     # base is an increment over it, and its merge weight counts only the steps and tokens it adds
     pushed: dict[int, tuple[int, int, int]] = field(default_factory=dict)
@@ -457,12 +459,7 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
         held, frag = ev.versions[p], state.fragments[p]
         if held != rec.versions[p] or p not in rec.held_since:
             rec.held_since[p] = now
-        if (
-            0 <= held <= frag.version - WHOLE_RESEND_LAG
-            and now - rec.held_since[p] >= WHOLE_RESEND_STUCK_S
-            and rec.resent.get(p, -1) < frag.version
-        ):
-            rec.resent[p] = frag.version
+        if 0 <= held and _resends_whole(state, rec, p, now, lag=WHOLE_RESEND_LAG, held=held):
             out.append(update_effect(state, p, (rec.id,)))
     for p in state.owned:
         reset = ev.versions[p] != rec.versions[p]
@@ -529,7 +526,11 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
         _reject(state, ev.learner, rejection, out)
         if rejection.code == "stale":
             _count_late(state, "rejected", now, out)
-            out.append(update_effect(state, ev.fragment, (ev.learner,)))
+            if _resends_whole(state, rec, ev.fragment, now, lag=1):
+                # Only where the current version is not on its way to the learner: one that pushes
+                # from far behind while the broadcast's deltas queue up to it (a loaded link) would
+                # otherwise get a whole copy on top of them, per refused push.
+                out.append(update_effect(state, ev.fragment, (ev.learner,)))
         return
     frag = state.fragments[ev.fragment]
     waiting = frag.open.pushes if frag.open is not None else frag.kept
@@ -545,6 +546,26 @@ def _on_push(state: SyncerState, ev: Push, now: float, out: list[Effect]) -> Non
     waiting[ev.learner] = ev
     if frag.open is not None:
         _after_delivery(state, ev.fragment, now, out)
+
+
+def _resends_whole(
+    state: SyncerState, rec: LearnerRecord, p: int, now: float, lag: int, held: int | None = None
+) -> bool:
+    """Whether fragment p's current version goes to the learner whole now (and is booked so, once
+    per version): the learner holds an older one (its last report's, or `held`), and the current
+    version was never addressed to it, or what it holds is `lag` or more behind and has stood still
+    for WHOLE_RESEND_STUCK_S."""
+    version = state.fragments[p].version
+    if rec.resent.get(p, -1) >= version:
+        return False
+    held = rec.versions[p] if held is None else held
+    if held >= version:
+        return False  # it holds the current version already
+    stuck = held <= version - lag and now - rec.held_since.get(p, now) >= WHOLE_RESEND_STUCK_S
+    if rec.addressed.get(p, -1) >= version and not stuck:
+        return False
+    rec.resent[p] = version
+    return True
 
 
 def _increment(rec: LearnerRecord, ev: Push) -> Push:
@@ -802,9 +823,13 @@ def _decide(state: SyncerState, now: float, p: int, rnd: Round, outcome: str, re
 def update_effect(state: SyncerState, p: int, learners: tuple[int, ...], base_version: int = -1) -> SendUpdate:
     """The effect that sends the current version of fragment p to `learners`: as the delta from
     `base_version` to those the shell knows hold it (net.shell), whole to the others; whole to all
-    with base_version -1."""
+    with base_version -1. Each learner's record keeps the version as addressed to it."""
     frag = state.fragments[p]
     block = frag.delta.block if base_version >= 0 else 0
+    for m in learners:
+        rec = state.learners.get(m)
+        if rec is not None:
+            rec.addressed[p] = frag.version
     return SendUpdate(learners, p, frag.version, base_version, block)
 
 

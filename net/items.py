@@ -21,6 +21,7 @@ class Incoming:
 
     conn: int
     message: msg.Message
+    nbytes: int = 0  # its frames' bytes, taken from the readers' budget (net.budget) until handled
 
 
 @dataclass(frozen=True)

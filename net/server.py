@@ -86,6 +86,9 @@ class ServerConfig:
     run_id: str | None = None  # the run the checkpoints belong to (net.store): None for a fresh run, kept on resume
     checkpoint_overwrite: bool = False  # a fresh run may take a directory holding another run's checkpoints
     events_queued_max: int = 4096
+    # the bytes of learners' messages read and not yet handled by the core (net.budget): past it the
+    # readers wait, and the learners' sockets with them
+    inbound_bytes_queued_max: int = 256 << 20
     heartbeat_s: float = 20.0  # websocket ping interval; a peer silent for half of it is closed
     queues: QueueLimits = field(default_factory=QueueLimits)
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
@@ -114,6 +117,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.events_queued_max < 1 or self.heartbeat_s <= 0 or self.checkpoints_kept < 1:
             raise ValueError("events_queued_max, heartbeat_s and checkpoints_kept must be positive")
+        if self.inbound_bytes_queued_max < 1:
+            raise ValueError(f"inbound_bytes_queued_max must be positive, got {self.inbound_bytes_queued_max}")
 
 
 def use_uvloop() -> None:
@@ -351,6 +356,8 @@ class SyncerServer:
             if not isinstance(item, (Incoming, Opened, Closed)):
                 raise  # a timer, a merge cost, a snapshot step: the core's own
             self._learner_fault(item, exc, now)
+        finally:
+            self.sessions.handled(item)
         self._in_core = False
         self.view = view_of(self.shell.state)
         self.sessions.flush()

@@ -22,6 +22,7 @@ from ddiloco.core.syncer import SyncerState
 from ddiloco.net import messages as msg
 from ddiloco.net import session, wire
 from ddiloco.net.auth import bearer_matches
+from ddiloco.net.budget import ByteBudget
 from ddiloco.net.checkpoints import Checkpoints
 from ddiloco.net.connection import Connection, SlowPeerError
 from ddiloco.net.core_loop import CoreLoop
@@ -59,6 +60,8 @@ class Sessions:
         self._message_ids = itertools.count(1)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._outbox: list[Callable[[], None]] = []  # the core thread's, handed over by `flush`
+        # what the readers hold in messages the core has not handled yet (the event loop's)
+        self.inbound = ByteBudget(config.inbound_bytes_queued_max)
 
     def message_id(self) -> int:
         return next(self._message_ids)
@@ -80,6 +83,7 @@ class Sessions:
         self.conns[conn.conn_id] = conn
         await self.core.submit(Opened(conn.conn_id))
         reassembler = wire.Reassembler(self.config.wire, accepted=LEARNER_KINDS)  # refused before any buffer
+        pending_bytes = 0  # of the message being reassembled
         writer = asyncio.create_task(self._write(conn), name=f"ddiloco-writer-{conn.conn_id}")
         try:
             async for frame in ws:
@@ -92,15 +96,19 @@ class Sessions:
                     continue
                 self.metrics.bytes_in += len(frame.data)
                 self.metrics.frames_in += 1
+                pending_bytes += len(frame.data)
                 try:
                     message = reassembler.feed(frame.data)
                 except wire.WireError as exc:
+                    pending_bytes = 0
                     if self.refuse(conn.conn_id, exc):
                         await self.shut(conn, str(exc))  # the error frame goes out before the close
                         break
                     continue
                 if message is not None:
-                    await self.core.submit(Incoming(conn.conn_id, message))
+                    nbytes, pending_bytes = pending_bytes, 0
+                    await self.inbound.take(nbytes)  # waits while the core is that far behind
+                    await self.core.submit(Incoming(conn.conn_id, message, nbytes))
                     if isinstance(message, msg.Bye):  # a goodbye: the learner is gone, and says why
                         break
         finally:
@@ -191,6 +199,12 @@ class Sessions:
         self.metrics.frames_out += 1
 
     # ---- the shell's link: called on the core thread ----------------------------------------
+
+    def handled(self, item: object) -> None:
+        """The core handled `item` (called on the core thread): its bytes return to the budget."""
+        if isinstance(item, Incoming) and item.nbytes:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self.inbound.give_back, item.nbytes)
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the event loop after this core step (what one step sends goes out together)."""

@@ -266,10 +266,15 @@ def test_push_more_than_staleness_max_behind_rejected_lost_and_current_version_r
     eff = h.push(2, 1, step, base=0, tokens=100 * step, steps=step)
     (err,) = h.of(SendError, eff)
     assert err.code == "stale" and f"{STALENESS_MAX + 1} versions behind" in err.text
-    (resend,) = h.of(SendUpdate, eff)
-    assert resend.learners == (2,) and resend.version == STALENESS_MAX + 1
+    # every version was addressed to it as it was merged: on its way, not sent whole again on top
+    assert h.of(SendUpdate, eff) == []
     assert h.state.ledger.totals["lost"] == lost + 100 * step and h.state.late_pushes["rejected"] == 1
     assert 2 not in h.state.fragments[1].kept
+    # once its version has stood still that long, the next refused push brings the version whole
+    eff = h.push(2, 1, step, base=0, tokens=100 * step, steps=step, dt=syncer.WHOLE_RESEND_STUCK_S)
+    (resend,) = h.of(SendUpdate, eff)
+    assert resend.learners == (2,) and resend.version == STALENESS_MAX + 1 and resend.base_version < 0
+    assert h.of(SendUpdate, h.push(2, 1, step, base=0, tokens=100 * step, steps=step)) == []  # once per version
     h.state.ledger.check()
 
 
