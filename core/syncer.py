@@ -456,7 +456,7 @@ def _on_progress(state: SyncerState, ev: Progress, now: float, out: list[Effect]
     # A shard gets the same report as every other shard (its counters cover every fragment): it
     # keeps them all, but books, resends and judges only the fragments it owns.
     for p in state.owned:
-        held, frag = ev.versions[p], state.fragments[p]
+        held = ev.versions[p]
         if held != rec.versions[p] or p not in rec.held_since:
             rec.held_since[p] = now
         if 0 <= held and _resends_whole(state, rec, p, now, lag=WHOLE_RESEND_LAG, held=held):
