@@ -721,6 +721,8 @@ class DilocoSync:
                     self._push_the_rest(params)
                 if self._pushes.in_flight:
                     self._send_in_flight()  # the last step's pushes, sent (and recorded) before the goodbye
+                if params is not None and self.joined:
+                    self._report_the_end(params)
         except Exception as exc:  # noqa: BLE001 - closing goes on: a client already stopped cannot send
             log.warning("the last pushes were not sent: %s", exc)
         try:
@@ -730,6 +732,18 @@ class DilocoSync:
             self._background.close()
             if self.peer_server is not None:
                 self.peer_server.close()
+
+    def _report_the_end(self, params: Any) -> None:
+        """The last step's progress, once its parameters are computed (the loop has ended: waiting
+        costs nothing now): the syncer's global step then counts every step this learner trained, as
+        a learner that joins after it continues from there."""
+        tree = self._joined()[1]
+        probe = tree.probe(params)
+        if probe is not None:
+            probe.block_until_ready()
+        report = progress_report(self._lead.dispatched(self.step_count, None), self.fragments)
+        if scheduling.serves_any(self._schedule, report.versions):
+            self._joined()[0].progress(report)
 
     def _push_the_rest(self, params: Any) -> None:
         """Push every fragment that holds a version and trained since its last push (the pushes the
