@@ -80,8 +80,7 @@ class Pushes(NamedTuple):
     in_flight: tuple[InFlight, ...] = ()  # pushes whose host copies started, booked at a later call
     # fragment -> this learner's last push of it; void once a newer version is held
     last: Mapping[int, LastPush] = {}
-    # due steps skipped behind a push not merged back yet or on its way; their tokens go with the next push
-    held: int = 0
+    held: int = 0  # due steps skipped behind a push not merged back yet or on its way; their tokens go with the next push
     skipped: int = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
 
 
