@@ -83,8 +83,8 @@ class _Transport:
         self.calls = 0
         self.welcomes, self.current = 1, self.first
         self.pushes: list[tuple[int, Push]] = []
-        # (call, fragment) of the pushes the live transport did not send: the replay refuses them too
-        self.dropped = {(r["call"], r["fragment"]) for r in tape.of("dropped")}
+        # the pushes the live transport did not send, by their order: the replay refuses them too
+        self.dropped = tape.dropped_pushes()
         self.inits: list[tuple[int, int, bytes]] = []
         self.refused = None
 
@@ -106,7 +106,7 @@ class _Transport:
 
     def push(self, item: Push) -> bool:
         self.pushes.append((self.calls, item))
-        return (self.calls, item.fragment) not in self.dropped
+        return len(self.pushes) - 1 not in self.dropped
 
     def init(self, fragment: int, payload: bytes) -> None:
         self.inits.append((self.calls, fragment, payload))

@@ -150,7 +150,9 @@ class LearnerTapeWriter(recording.RecordWriter):
         )
 
     def dropped(self, call: int, fragment: int) -> None:
-        """The push of `fragment` recorded at `call` was not sent (the transport's queue was full)."""
+        """The push recorded just before (of `fragment`, at `call`) was not sent (the transport's
+        queue was full). Written right after its push record: a call can push a fragment twice (its
+        last step's push and the rest pushed at a graceful close), so only the order names it."""
         self._append({"type": "dropped", "call": call, "fragment": fragment})
 
     def init(self, call: int, fragment: int, payload: bytes) -> None:
@@ -184,6 +186,21 @@ class LearnerTape:
         if not first:
             raise LearnerTapeError(f"{self.directory}: the learner was never welcomed (nothing to replay)")
         return _welcome(first[0]["welcome"])
+
+    def dropped_pushes(self) -> frozenset[int]:
+        """The pushes that were not sent, as their index among the push records (each `dropped`
+        record follows its push's record)."""
+        out, pushed = set(), -1
+        for r in self.records:
+            if r["type"] == "push":
+                pushed += 1
+            elif r["type"] == "dropped":
+                if pushed < 0:
+                    raise LearnerTapeError(
+                        f"{self.directory / TAPE_FILE}: a dropped push at call {r['call']} before any push"
+                    )
+                out.add(pushed)
+        return frozenset(out)
 
     def takes(self) -> dict[int, tuple[dict, list, tuple[int, session.WelcomeInfo | None]]]:
         """call -> what the hook took then, rebuilt with the session's types and stored payloads."""

@@ -216,3 +216,38 @@ def test_a_config_from_another_version_is_a_clear_error():
 
     with pytest.raises(ValueError, match="does not fit this version"):
         learner_config_from_json({"syncer": "ws://x/ws"})
+
+
+def test_a_fragment_pushed_twice_in_one_call_is_refused_in_the_replay_only_where_the_live_run_dropped_it(tmp_path):
+    """A graceful close pushes the rest at the call of the last step, which may have pushed the same
+    fragment: the live transport sent the first push and refused the second (a full queue), and the
+    replay's transport does exactly that (a refusal named by call and fragment took both)."""
+    import numpy as np
+
+    from ddiloco.core import codec
+    from ddiloco.core.events import Push
+    from ddiloco.net import session
+
+    writer = ltapes.LearnerTapeWriter.create(tmp_path / "a.0", {})
+    writer.welcome(1, session.WelcomeInfo(1, {}, "ab" * 32, (5, 5, 5, 5), 0, False, period=4, offsets=(0, 1, 2, 3)))
+    payload = codec.parse(codec.encode(np.ones(64, np.float32), "fp32"))
+    last_step, at_close = Push(1, 2, 90, 5, 12, 3072, payload), Push(1, 2, 91, 5, 13, 3328, payload)
+    writer.push(88, last_step)
+    writer.push(88, at_close)
+    writer.dropped(88, 2)
+    writer.close(88, 91, "0" * 64)
+    tape = ltapes.read(tmp_path / "a.0")
+    assert tape.dropped_pushes() == {1}
+
+    transport = full._Transport(tape)
+    transport.calls = 88
+    assert transport.push(last_step) is True
+    assert transport.push(at_close) is False
+
+
+def test_a_dropped_record_before_any_push_is_a_clear_error(tmp_path):
+    writer = ltapes.LearnerTapeWriter.create(tmp_path / "a.0", {})
+    writer.dropped(3, 0)
+    writer.close(3, 3, "0" * 64)
+    with pytest.raises(ltapes.LearnerTapeError, match="dropped push at call 3 before any push"):
+        ltapes.read(tmp_path / "a.0").dropped_pushes()
