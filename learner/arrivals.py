@@ -32,8 +32,11 @@ __all__ = [
     "received",
 ]
 
-# The most calls an arrived version waits behind a push of its fragment (`defer`).
-DEFER_CALLS_MAX = 2
+# The most calls an arrived version waits behind a push of its fragment, or for the background
+# thread's decode of it (`defer`), before the call waits for them. A host slower than the step (2 ms
+# steps, a 10M-parameter model on 2 cores: a fragment's host work takes 3 to 5 ms) needs a few calls;
+# 2 made most applies wait (bench learner --synthetic-step-ms 2: +84% against +63% with 8).
+DEFER_CALLS_MAX = 8
 
 # fragment -> (the updates that arrived for it, in order; the calls they waited). Arrived versions of
 # fragments whose push is in flight or went out in this call: applied once the push went out at an

@@ -6,7 +6,9 @@ this thread the rest of the push: waiting for the copy, the increment over the l
 quantisation (`pushes.encode_increment`). The training thread then spends the step's device time
 (or, on a CPU learner, the other core) instead of its own. Where the transport takes pushes from
 another thread (`sender`: the websocket clients), this thread sends the push as soon as its bytes
-exist (`Send`), and the next call only books it; otherwise the next call sends it. (Sent at the
+exist (`Send`), and the first call after that only books it (no call waits for this thread's
+work: a fragment due again before its push went out skips that due step); otherwise the next call
+sends it. (Sent at the
 next call, the push of a loop that waits for each step left a whole step after its bytes existed.)
 
 The result is the same bytes the training thread would have computed at the next call: the job's
@@ -135,6 +137,10 @@ class Encoding(NamedTuple):
         """Waits for the job; re-raises what it raised."""
         return self.future.result()
 
+    def done(self) -> bool:
+        """Whether the job has ended (`result` then returns at once)."""
+        return self.future.done()
+
 
 class Background:
     """One worker thread, started at the first job; jobs run in the order submitted."""
@@ -259,6 +265,11 @@ class Background:
         if d is None or d.update is not update or d.onto is not onto:
             return None
         return d.published
+
+    def decoding(self, updates: Collection[session.UpdateInfo]) -> bool:
+        """Whether this thread is still at the decode of any of `updates` (`published` would wait)."""
+        with self._lock:
+            return any(id(u) in self._pending and self._pending[id(u)][0] is u for u in updates)
 
     def difference(self, published: np.ndarray, anchor: np.ndarray) -> Prepared | None:
         """published - anchor (and where placed, the same on the devices), if this thread computed

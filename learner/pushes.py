@@ -7,7 +7,7 @@ around them: starting and finishing the host copies, the transport, the tape.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,6 +23,7 @@ __all__ = [
     "Pushes",
     "donated",
     "encode_increment",
+    "flying",
     "forget",
     "given_up",
     "hold_back",
@@ -76,10 +77,11 @@ class InFlight(NamedTuple):
 class Pushes(NamedTuple):
     """The push side's state. Its mappings are replaced, never changed in place."""
 
-    in_flight: tuple[InFlight, ...] = ()  # pushes whose host copies started, sent at the next call
+    in_flight: tuple[InFlight, ...] = ()  # pushes whose host copies started, booked at a later call
     # fragment -> this learner's last push of it; void once a newer version is held
     last: Mapping[int, LastPush] = {}
-    held: int = 0  # due steps skipped behind a push not merged back yet; their tokens go with the next push
+    # due steps skipped behind a push not merged back yet or on its way; their tokens go with the next push
+    held: int = 0
     skipped: int = 0  # pushes given up: their leaves were deleted (a donating step) meanwhile
 
 
@@ -97,29 +99,43 @@ def waits_on_push(pushes: Pushes, q: int, version: int, skips_max: int) -> bool:
     return last is not None and last.skips < skips_max
 
 
+def flying(pushes: Pushes, q: int) -> bool:
+    """Whether a push of fragment q is on its way: its host copy started, and not booked yet."""
+    return any(f.fragment == q for f in pushes.in_flight)
+
+
 def hold_back(
     pushes: Pushes, due: tuple[int, ...], fragments: tuple[FragmentSync, ...], skips_max: int
 ) -> tuple[Pushes, tuple[int, ...]]:
-    """Of the fragments the schedule makes due, those skipped (counted against PUSH_SKIPS_MAX)."""
+    """Of the fragments the schedule makes due, those skipped: behind a push not merged back yet
+    (counted against PUSH_SKIPS_MAX), or behind one still on its way (its host work not done: one
+    push of a fragment at a time, so a host that falls behind skips due steps rather than queue
+    pushes; the skipped progress goes with the next push)."""
     if not due:  # most calls: nothing due, nothing to rebuild
         return pushes, ()
-    held = tuple(q for q in due if waits_on_push(pushes, q, fragments[q].version, skips_max))
+    waiting = tuple(q for q in due if waits_on_push(pushes, q, fragments[q].version, skips_max))
+    held = tuple(q for q in due if q in waiting or flying(pushes, q))
     last = dict(pushes.last)
-    for q in held:
+    for q in waiting:
         last[q] = last[q]._replace(skips=last[q].skips + 1)
     return pushes._replace(last=last, held=pushes.held + len(held)), held
 
 
 def started(pushes: Pushes, flight: InFlight) -> Pushes:
-    """A push whose host copy started: it goes out at the next call."""
+    """A push whose host copy started: a later call books it (learner.sync)."""
     return pushes._replace(in_flight=(*pushes.in_flight, flight))
 
 
-def take(pushes: Pushes, fragment: int | None = None) -> tuple[Pushes, tuple[InFlight, ...]]:
-    """The pushes in flight (of `fragment` only, if given), in the order started, taken out."""
-    chosen = lambda f: fragment is None or f.fragment == fragment  # noqa: E731
-    rest = tuple(f for f in pushes.in_flight if not chosen(f))
-    return pushes._replace(in_flight=rest), tuple(f for f in pushes.in_flight if chosen(f))
+def take(
+    pushes: Pushes, fragment: int | None = None, ready: Callable[[InFlight], bool] | None = None
+) -> tuple[Pushes, tuple[InFlight, ...]]:
+    """The pushes in flight (of `fragment` only, if given; of those, the `ready` ones only, if
+    given), in the order started, taken out."""
+    # Each flight judged once: `ready` may turn true meanwhile (a send on another thread), and a
+    # flight judged twice could be both taken and left in flight, and booked twice.
+    chosen = [(fragment is None or f.fragment == fragment) and (ready is None or ready(f)) for f in pushes.in_flight]
+    rest = tuple(f for f, c in zip(pushes.in_flight, chosen) if not c)
+    return pushes._replace(in_flight=rest), tuple(f for f, c in zip(pushes.in_flight, chosen) if c)
 
 
 def donated(flight: InFlight) -> bool:

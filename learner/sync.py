@@ -3,7 +3,7 @@
 The learner loop of Decoupled DiLoCo (docs/algorithm.md, "Learner loop"). Each call, between two inner steps and without waiting on the
 network or the device: counts the step and its tokens for every fragment; at the steps where
 fragment p is due (step mod H == t_p, the welcome's schedule) starts copying fragment p to the host,
-and at the next call pushes the compressed outer gradient base_p - theta_p on its own (protocol 2,
+and the hook's background thread pushes the compressed outer gradient base_p - theta_p on its own (protocol 2,
 docs/protocol.md "Learner-driven pushes"); applies fragment versions that have arrived (a delta onto the syncer's published copy
 it holds, or a whole copy; then overwrite, or an alpha mix) and resets their counters; and reports progress. A step with no fragment due and
 nothing arrived only counts. The network runs on the client's own thread; a syncer that is down only
@@ -428,7 +428,8 @@ class DilocoSync:
 
     @property
     def pushes_in_flight(self) -> tuple[int, ...]:
-        """Fragments whose host copy a call started and whose push the next call sends."""
+        """Fragments whose host copy a call started and whose push a later call books (the next,
+        unless the background thread sends it and has not yet)."""
         return tuple(f.fragment for f in self._pushes.in_flight)
 
     @property
@@ -439,7 +440,8 @@ class DilocoSync:
 
     @property
     def pushes_held(self) -> int:
-        """Due steps skipped behind a push not merged back yet; their tokens go with the next push."""
+        """Due steps skipped behind a push not merged back yet or still on its way; their tokens go with
+        the next push."""
         return self._pushes.held
 
     @property
@@ -453,7 +455,8 @@ class DilocoSync:
 
         Never waits for the device: with JAX's asynchronous dispatch the loop runs ahead of it. At a
         step where fragment p is due its copy to the host starts (`TreeFragments.start_gather`), and
-        the push goes out at the next call, which finds the copy landed."""
+        the background thread encodes and sends the push; a later call books it, once sent (a
+        transport without `sender`: the next call sends it)."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
@@ -482,26 +485,32 @@ class DilocoSync:
             self._pushes = pushes.refused(self._pushes, self.config.push_skips_max)
         # Pushes started at an earlier call first: against the versions held then (a push of base v
         # that arrives after version v+1 was merged still counts, discounted: it is not overwritten).
-        sent = self._send_in_flight() if self._pushes.in_flight else ()
+        # Those the background thread sends itself are booked once it has: the call never waits for
+        # its host work (a due fragment whose push is still on its way skips that due step).
+        sent = self._send_in_flight(landed_only=True) if self._pushes.in_flight else ()
         # Due fragments are copied before arrived versions overwrite them: the push keeps the
         # progress made since the version held.
         self._pushes, held = pushes.hold_back(self._pushes, scheduled, self.fragments, self.config.push_skips_max)
         for q in (q for q in scheduled if q not in held):
             self._pushes = pushes.started(self._pushes, self._start_push(params, q))
+        released: tuple[int, ...] = ()
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
-            # Due, but held back behind a push whose version came back in this very call: pushed now,
-            # from that version (the progress since the push), into the round that is open, rather
-            # than a period later.
-            for q in held:
-                if not pushes.waits_on_push(self._pushes, q, self.fragments[q].version, self.config.push_skips_max):
-                    self._pushes = pushes.started(self._pushes, self._start_push(params, q))
+            released = self._released(held)
         report = progress_report(self._reported_step(tree, params), self.fragments)
         if scheduling.serves_any(self._schedule, report.versions):
             # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
             # every fragment yet has weight 0 and reports once it does (which makes it live). To a
             # sharded syncer, the report goes to each shard whose fragments it holds (net.sharded).
             client.progress(report)
+        # Due, but held back behind a push whose version came back in this very call: pushed now,
+        # from that version (the progress since the push), into the round that is open, rather than
+        # a period later. Started after the report of that version: the background thread may send
+        # the push before this call ends, and the syncer books a push's tokens in the window its
+        # learner last reported (a push of the new version ahead of that report went into the old
+        # window, and the new window's tokens were booked lost at its close).
+        for q in released:
+            self._pushes = pushes.started(self._pushes, self._start_push(params, q))
         for snapshot in client.take_markers():
             # A consistent snapshot (net.snapshot): the state at this step boundary, sent after the
             # pushes made so far, which is what makes the cut consistent.
@@ -530,7 +539,7 @@ class DilocoSync:
     def _apply_arrived(self, params: Any, updates: dict[int, list[session.UpdateInfo]], sent: tuple[int, ...]) -> Any:
         """Apply the updates of each fragment that arrived, in order, except those that wait behind a
         push of the fragment (`arrivals.defer`)."""
-        busy = set(sent) | set(self.pushes_in_flight)
+        busy = set(sent) | set(self.pushes_in_flight) | self._decoding(updates)
         ready, self._deferred = arrivals.defer(self._deferred, updates, busy)
         for q, chain in ready:
             if q in self.pushes_in_flight:
@@ -540,6 +549,26 @@ class DilocoSync:
                 self._send_in_flight(q)
             params = self._apply(params, q, chain)
         return params
+
+    def _released(self, held: tuple[int, ...]) -> tuple[int, ...]:
+        """Of the due fragments `held` back at this call, those to push now after all: their push's
+        version came back in this call (and no push of theirs is on its way)."""
+        skips_max = self.config.push_skips_max
+        return tuple(
+            q
+            for q in held
+            if not pushes.flying(self._pushes, q)
+            and not pushes.waits_on_push(self._pushes, q, self.fragments[q].version, skips_max)
+        )
+
+    def _decoding(self, updates: dict[int, list[session.UpdateInfo]]) -> set[int]:
+        """Fragments with an arrived update (now or waiting) that the background thread is still
+        decoding: applied at a later call rather than waited for (`arrivals.defer` bounds the wait;
+        only where timing may decide, `_timing_decides`)."""
+        if not self.config.background or not self._timing_decides():
+            return set()
+        chains = {q: [*self._deferred.get(q, ([], 0))[0], *updates.get(q, ())] for q in {*updates, *self._deferred}}
+        return {q for q, chain in chains.items() if self._background.decoding(chain)}
 
     def _apply(self, params: Any, q: int, chain: list[session.UpdateInfo]) -> Any:
         """The updates of fragment q that arrived, in order (`arrivals.reach`); the newest version
@@ -602,19 +631,25 @@ class DilocoSync:
         """How the background thread sends `flight` as soon as its bytes exist, where the transport
         takes pushes from another thread (`sender`); None: the next call sends it. The push is the
         one the next call would make: every field is fixed now, the payload aside."""
-        sender = getattr(self._joined()[0], "sender", None)
-        if sender is None or self.tape is not None:
-            # A recorded learner sends at the call that books the push, so its tape holds every push
-            # that went out: killed between a send from the thread and the booking, it would leave a
-            # push on the syncer's tape that no replay of the learners makes again.
+        if not self._timing_decides():
             return None
-        send, learner = sender(), self.learner_id
+        send, learner = self._joined()[0].sender(), self.learner_id
 
         def send_payload(payload: codec.Encoded) -> tuple[Push, bool]:
             push = _push_of(learner, flight, payload)
             return push, send(push) is not False
 
         return send_payload
+
+    def _timing_decides(self) -> bool:
+        """Whether the background thread's timing may decide at which call a push is booked or an
+        arrived version applied: only where the transport sends from another thread (`sender`: the
+        websocket clients) and no tape is recorded. A replay or a simulation (no `sender`) books
+        and applies at the same calls every time, and so does a recorded learner: it sends at the
+        call that books the push, so its tape holds every push that went out (killed between a send
+        from the thread and the booking, it would leave a push on the syncer's tape that no replay
+        of the learners makes again)."""
+        return getattr(self._joined()[0], "sender", None) is not None and self.tape is None
 
     def _push_work(self, flight: pushes.InFlight) -> background.PushWork:
         """What `flight`'s host work reads, as the hook holds it now."""
@@ -625,10 +660,11 @@ class DilocoSync:
             tree.finish_gather, self._pushes, flight, feedback, config.codec, config.error_feedback, layout.block
         )
 
-    def _send_in_flight(self, fragment: int | None = None) -> tuple[int, ...]:
+    def _send_in_flight(self, fragment: int | None = None, landed_only: bool = False) -> tuple[int, ...]:
         """Encode and send the pushes whose host copies were started (of `fragment` only, if given),
-        in the order started; the fragments pushed."""
-        self._pushes, flights = pushes.take(self._pushes, fragment)
+        in the order started; the fragments pushed. `landed_only`: of the pushes the background
+        thread sends itself, only those it has sent (the others stay in flight, and nothing waits)."""
+        self._pushes, flights = pushes.take(self._pushes, fragment, _landed if landed_only else None)
         for flight in flights:
             self._push(flight)
         return tuple(f.fragment for f in flights)
@@ -761,6 +797,14 @@ class DilocoSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _landed(flight: pushes.InFlight) -> bool:
+    """Whether booking `flight` now waits for nothing: a push the background thread sends, sent. Any
+    other push is booked at the call after its start, waiting for its host work if need be, so that
+    a replay or a simulation books it at the same call every time (learner.background)."""
+    job = flight.job
+    return job is None or not job.sends or job.done()
 
 
 def _push_of(learner: int, flight: pushes.InFlight, payload: codec.Encoded) -> Push:

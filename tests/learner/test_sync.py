@@ -196,6 +196,120 @@ def test_a_push_goes_out_as_soon_as_its_bytes_exist_not_at_the_next_call(threade
         s.stop()
 
 
+class _SlowSender:
+    """The hook's transport, whose pushes from the background thread wait until `release` is set
+    (fault injection: a host or link slower than the training step)."""
+
+    def __init__(self, inner):
+        self.inner, self.release, self.waiting = inner, threading.Event(), threading.Event()
+
+    def sender(self):
+        send = self.inner.sender()
+
+        def slow(push):
+            self.waiting.set()
+            assert self.release.wait(120), "never released"
+            return send(push)
+
+        return slow
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _merged_back(state, sync) -> bool:
+    """Whether the syncer holds no push undecided and the learner holds every version it made."""
+    return not state.ledger.held and all(f.version == v for f, v in zip(state.fragments, sync.versions))
+
+
+def test_a_call_never_waits_for_a_push_the_background_thread_has_not_sent(threaded_syncer):
+    """A push whose host work is not done stays in flight while the calls go on (they wait for
+    nothing); its fragment's due step meanwhile is skipped (one push of a fragment at a time) and
+    that progress goes with its next push; once sent, a later call books it, and nothing is counted
+    twice or lost."""
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
+    params, target = model(1), model(10)
+    sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN))
+    try:
+        deadline = time.monotonic() + 60
+        params, _ = _step_until_a_push_starts(sync, params, target, deadline)
+        # Quiet first: every push booked and merged back, so that no version arrives while the
+        # thread is held up (its decode would wait behind the push, and after DEFER_CALLS_MAX calls
+        # the call would wait for it).
+        while sync.pushes_in_flight or sync.updates_waiting or not s.read(lambda st: _merged_back(st, sync)):
+            assert time.monotonic() < deadline, "the learner never came to rest"
+            params = sync.step(params, tokens=0)
+            time.sleep(0.01)
+        slow = sync.client = _SlowSender(sync.client)
+        params, q = _step_until_a_push_starts(sync, params, target, deadline)
+        assert slow.waiting.wait(60), "the background thread did not come to send"
+        held, tokens_before = sync.pushes_held, sync.fragments[q].tokens
+        for _ in range(10):  # more than a period: fragment q falls due again
+            params = sync.step(inner_step(params, target), tokens=128)
+            assert not slow.release.is_set() and q in sync.pushes_in_flight
+        assert sync.pushes_in_flight.count(q) == 1 and sync.pushes_held > held
+        slow.release.set()
+        while q in sync.pushes_in_flight:
+            assert time.monotonic() < deadline, "the push sent was never booked"
+            params = sync.step(inner_step(params, target), tokens=128)
+            time.sleep(0.003)
+        assert sync.fragments[q].tokens > tokens_before  # the skipped due step's progress is still to push
+        version = sync.fragments[q].version
+        while sync.fragments[q].version < version + 2:  # merged, and pushed from the version after
+            assert time.monotonic() < deadline, "fragment q stopped merging"
+            params = sync.step(inner_step(params, target), tokens=128)
+            time.sleep(0.003)
+        assert s.read(lambda st: st.ledger.totals["lost"]) == 0
+        sync.close()
+        s.read(lambda st: st.ledger.check())
+    finally:
+        s.stop()
+
+
+def test_a_version_the_background_thread_is_still_decoding_is_applied_at_a_later_call(threaded_syncer, monkeypatch):
+    """Learner a's background thread is slow to decode (fault injection) while b's pushes make new
+    versions: a's calls take them and leave them waiting rather than wait for the decode, and apply
+    them once decoded."""
+    from ddiloco.learner import arrivals
+
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
+    a, b = two_learners(s.url)
+    release, slowed = threading.Event(), threading.Event()
+    decode = arrivals.apply_update_kept
+
+    def slow_decode(*args, **kwargs):
+        if threading.current_thread().name.startswith("ddiloco-sync") and slowed.is_set():
+            assert release.wait(120), "never released"
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(arrivals, "apply_update_kept", slow_decode)
+    try:
+        deadline = time.monotonic() + 60
+        while min(a["sync"].versions + b["sync"].versions) < 1:
+            assert time.monotonic() < deadline, "the learners did not get going"
+            train([a, b], 1, pause_s=0.003)
+        slowed.set()
+        held, waited = a["sync"].versions, 0
+        while True:  # b's pushes merge; a takes the new versions and waits for nothing
+            assert time.monotonic() < deadline, "no version arrived at a"
+            train([a, b], 1, pause_s=0.003)
+            if [p for p in a["sync"].updates_waiting if p not in a["sync"].pushes_in_flight]:
+                waited += 1
+            if waited == 3:  # three calls found the decode under way and none waited for it
+                break
+        assert a["sync"].versions == held and not release.is_set()
+        release.set()
+        while a["sync"].updates_waiting or a["sync"].versions == held:
+            assert time.monotonic() < deadline, "the waiting version was never applied"
+            train([a, b], 1, pause_s=0.003)
+        for lr in (a, b):
+            lr["sync"].close()
+        s.read(lambda st: st.ledger.check())
+    finally:
+        release.set()
+        s.stop()
+
+
 def test_wrong_token_is_a_clear_error(threaded_syncer):
     s = threaded_syncer(token=TOKEN)
     try:

@@ -36,6 +36,17 @@ def test_take_keeps_the_order_started_and_forget_drops_a_session():
     assert pushes.forget(state, {1}).in_flight == (state.in_flight[1],)
 
 
+def test_take_judges_each_push_once_where_it_turns_ready_meanwhile():
+    """`ready` is read on the training thread while the background thread sends: a push judged not
+    ready stays in flight, and is not also taken (it would be booked twice)."""
+    state = pushes.started(pushes.Pushes(last={}), flight(0, 1, FragmentSync()))
+    answers = iter((False, True))
+    rest, taken = pushes.take(state, ready=lambda f: next(answers))
+    assert taken == () and rest.in_flight == state.in_flight
+    rest, taken = pushes.take(rest, ready=lambda f: True)
+    assert taken == state.in_flight and rest.in_flight == ()
+
+
 def test_an_increment_starts_at_the_last_push_from_the_same_version():
     base, theta0, theta1 = (np.full(256, v, np.float32) for v in (0.0, 1.0, 3.0))
     frag = FragmentSync(version=2, base=base)
