@@ -48,6 +48,7 @@ class SyncerBenchConfig:
     broadcast_codec: str = "int4"  # the codec of the deltas sent back (core.publish)
     merge: str = "rda"
     step_hz: float = 50.0  # how often each learner reports a step (rounds open at this rate)
+    quorum: int = 1  # the syncer's minimum quorum K (core.config; 1, its default, merges the soonest)
     ceiling_seconds: float = 4.0  # how long the baseline's processes push
 
     def __post_init__(self) -> None:
@@ -58,6 +59,7 @@ class SyncerBenchConfig:
             or self.seconds <= 0
             or self.step_hz <= 0
             or self.ceiling_seconds <= 0
+            or not 1 <= self.quorum <= self.learners
         ):
             raise ValueError(f"bad syncer bench config {self}")
 
@@ -224,6 +226,7 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         merge=config.merge,
         broadcast_codec=config.broadcast_codec,
         learners_max=max(8, config.learners),
+        quorum=config.quorum,
     )
 
     async def main() -> dict:
@@ -263,6 +266,7 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
             server.metrics.bytes_in,
             server.metrics.merge_kernel_s,
         )
+        p0 = server.metrics.pushes_merged
         o0 = server.metrics.bytes_out
         samples_before = len(server.metrics.round_samples_s)
         while any(p.is_alive() for p in procs):
@@ -272,11 +276,13 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         bytes_in = server.metrics.bytes_in - b0
         bytes_out = server.metrics.bytes_out - o0
         kernel_s = server.metrics.merge_kernel_s - c0
+        pushes_merged = server.metrics.pushes_merged - p0
         rounds = list(server.metrics.round_samples_s)[samples_before:]
         results = [out.get(timeout=10) for _ in procs]
         await server.stop(checkpoint=False)
         return {
             "merges": merges,
+            "pushes_merged": pushes_merged,
             "wall_s": wall,
             "bytes_in": bytes_in,
             "bytes_out": bytes_out,
@@ -309,6 +315,8 @@ def run_syncer_bench(config: SyncerBenchConfig) -> dict:
         "rss_before_bytes": rss_before,
         "added_rss_over_fp32_model": rss_model / model_bytes,
         "merges": raw["merges"],
+        # with the learners (each merge goes out to every one), what sets the bytes out per byte in
+        "pushes_per_merge": raw["pushes_merged"] / max(raw["merges"], 1),
         "wall_s": raw["wall_s"],
         "rejected": raw["rejected"],
         "pushes": sum(r["pushes"] for r in raw["learners"]),
@@ -329,6 +337,7 @@ def _core_config(config: SyncerBenchConfig, shard: int = 0, shards: int = 1) -> 
         "merge": config.merge,
         "broadcast_codec": config.broadcast_codec,
         "learners_max": max(8, config.learners),
+        "quorum": config.quorum,
         "shard": shard,
         "shards": shards,
     }
@@ -535,6 +544,10 @@ def format_report(r: dict) -> str:
         ("measured", f"{r['wall_s']:.1f} s, {r['merges']} merges, {r['pushes']} pushes"),
         ("pushing", _pushing(r["pushes_per_learner"])),
         ("merges/s", f"{r['merges_per_s']:.2f}"),
+        (
+            "pushes per merge",
+            f"{r['pushes_per_merge']:.2f} (quorum {c['quorum']}; each merge goes out to {c['learners']} learners)",
+        ),
         ("payload in", f"{r['payload_gbps_in']:.3f} GB/s"),
         (
             "sent out",

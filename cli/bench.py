@@ -88,6 +88,13 @@ def _syncer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broadcast-codec", default="int4", choices=["int4", "bf16", "fp32"])
     p.add_argument("--merge", default="rda", choices=["rda", "mean"])
     p.add_argument(
+        "--quorum",
+        type=_positive_int,
+        default=1,
+        help="the syncer's minimum quorum K (default 1, the syncer's own default): pushes per merge, "
+        "and so bytes out per byte in",
+    )
+    p.add_argument(
         "--shards",
         type=_positive_int,
         help="run the load against 1 syncer and then against this many shards, each a process, side by side",
@@ -107,6 +114,7 @@ def _syncer_run(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             broadcast_codec=args.broadcast_codec,
             merge=args.merge,
+            quorum=args.quorum,
         )
         if args.shards is not None:
             syncer.check_bench_shards(config, args.shards)

@@ -75,6 +75,7 @@ class Metrics:
     numbers, and values replaced whole (`last_rounds`), so a reader never sees a half-made one."""
 
     merges: int = 0
+    pushes_merged: int = 0  # contributions of the rounds merged (pushes per merge: this / merges)
     bytes_in: int = 0
     bytes_out: int = 0
     frames_in: int = 0
@@ -104,6 +105,7 @@ class Metrics:
     def observe_merged(self, effect: Merged, at: float) -> None:
         """A round merged (the core's Merged effect) at the daemon's time `at`."""
         self.merges += 1
+        self.pushes_merged += len(effect.learners)
         self.grace_s_last = effect.grace_s
         self.observe_round(effect.round_s)
         last = LastRound(at, len(effect.learners), effect.grace_s, effect.round_s)
@@ -288,6 +290,7 @@ def _syncer_families(r: Reading) -> Iterator[Metric]:
             "ddiloco_wire_errors_total", "Frames refused at the wire boundary, by code.", labels=["code"]
         ),
     )
+    yield _counter("pushes_merged_total", "Pushes merged (contributions of the rounds merged).", m.pushes_merged)
     yield _counter("received_bytes_total", "Websocket payload bytes received from learners.", m.bytes_in)
     yield _counter("sent_bytes_total", "Websocket payload bytes sent to learners.", m.bytes_out)
     yield _counter("received_frames_total", "Websocket frames received from learners.", m.frames_in)

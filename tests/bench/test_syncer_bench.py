@@ -25,13 +25,27 @@ def test_tiny_syncer_bench_reports_traffic_against_the_ceiling_of_the_same_run()
     assert 0 < r["bytes_out_per_byte_in"] < 4
     share = (r["payload_gbps_in"] + r["gbps_out"]) / r["wire_ceiling_gbps"]
     assert r["traffic_over_ceiling"] == pytest.approx(share)
+    assert r["pushes_per_merge"] >= 1
     text = format_report(r)
     assert "wire ceiling" in text and "bytes out per byte in" in text and "2 of 2 learners" in text
+    assert "pushes per merge" in text and "quorum 1" in text
+
+
+def test_a_quorum_of_every_learner_merges_a_push_of_each_and_sends_a_byte_out_per_byte_in():
+    """Each merge goes out to every learner: the pushes a round merges set the bytes out per byte in
+    (about learners / pushes per merge, for int4 both ways)."""
+    r = run_syncer_bench(
+        SyncerBenchConfig(learners=2, params=1 << 20, fragments=2, seconds=3.0, ceiling_seconds=0.5, quorum=2)
+    )
+    assert r["merges"] > 0 and r["pushes_per_merge"] > 1.5  # (a round the last goodbyes cut short merges fewer)
+    assert r["bytes_out_per_byte_in"] < 1.5
 
 
 def test_bench_config_refuses_nonsense():
     with pytest.raises(ValueError, match="bad syncer bench config"):
         SyncerBenchConfig(ceiling_seconds=0)
+    with pytest.raises(ValueError, match="bad syncer bench config"):
+        SyncerBenchConfig(learners=2, quorum=3)
 
 
 def test_tiny_sharded_bench_runs_one_syncer_then_two_shards_each_fed_only_its_own_fragments():

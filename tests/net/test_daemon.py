@@ -171,6 +171,10 @@ async def test_learners_join_init_and_merge_over_real_sockets(tmp_path):
     assert status["merges"] >= 4 and all(f["version"] >= 1 for f in status["fragments"])
     assert any("merged" in d["reason"] for d in status["decisions"])
     assert "ddiloco_merges_total" in metrics and 'ddiloco_round_seconds_bucket{le="+Inf"}' in metrics
+    merged = next(
+        float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ddiloco_pushes_merged_total")
+    )
+    assert s.server.metrics.merges <= merged <= s.server.metrics.pushes_merged  # a round merges one push or more
     # every byte the learners received was counted as sent (welcomes, requests, the broadcasts)
     sent = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("ddiloco_sent_bytes_total"))
     assert 0 < sent <= s.server.metrics.bytes_out  # (the learners go on meanwhile)
