@@ -650,8 +650,11 @@ class ThreadedClient:
             return
         held = self._take_held()
         if held is not None and held[1].versions != item.versions:
-            self._loop.call_soon_threadsafe(self._forward, held[0], held[1])  # the last under the old versions
-        self._loop.call_soon_threadsafe(self._forward, self._welcomes_seen, item)
+            # The last report under the old versions, then this one: in order, and with one wake-up
+            # of the loop (each costs the training thread a trip through the GIL).
+            self._loop.call_soon_threadsafe(self._forward_two, held[0], held[1], self._welcomes_seen, item)
+        else:
+            self._loop.call_soon_threadsafe(self._forward, self._welcomes_seen, item)
         self._forwarded_at, self._forwarded_versions = now, item.versions
 
     def _take_held(self) -> tuple[int, session.ProgressInfo, float] | None:
@@ -659,6 +662,12 @@ class ThreadedClient:
             return self._held.popleft()
         except IndexError:
             return None
+
+    def _forward_two(
+        self, welcomes: int, item: session.ProgressInfo, then_welcomes: int, then: session.ProgressInfo
+    ) -> None:
+        self._forward(welcomes, item)
+        self._forward(then_welcomes, then)
 
     def _forward(self, welcomes: int, item: session.ProgressInfo) -> None:
         """On the loop: queue a report, and watch for one held back meanwhile."""
