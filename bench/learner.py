@@ -50,7 +50,7 @@ from typing import Any
 
 from ddiloco.net.auth import write_token_file
 
-__all__ = ["LearnerBenchConfig", "format_report", "run_learner_bench"]
+__all__ = ["LearnerBenchConfig", "format_report", "run_learner_bench", "synthetic_learner"]
 
 SYNCER_START_S_MAX = 60.0
 STATUS_S_MAX = 10.0  # the syncer's /status answers within this
@@ -191,6 +191,33 @@ def _synthetic_loop(cfg: LearnerBenchConfig) -> _Loop:
         return params
 
     return _Loop(jax.block_until_ready(params), advance, SYNTHETIC_TOKENS_PER_STEP, cfg.params)
+
+
+def synthetic_learner(
+    url: str, name: str, token: str, seconds: float, cfg: LearnerBenchConfig, out: Any = None
+) -> dict:
+    """One learner of the synthetic loop (`cfg.synthetic_step_ms`, `cfg.params`) joined to the syncer
+    at `url` under `name`: it trains `seconds`, then leaves with its parameters (`close(params)`:
+    what it trained since its last pushes goes out). For load and chaos tests that need learners at
+    accelerator speed without an accelerator; run it in a spawned process to kill it. Returns its
+    counts (and puts them on the queue `out`, if given)."""
+    from ddiloco.learner.sync import DilocoSync, SyncConfig
+
+    loop = _synthetic_loop(cfg)
+    params = loop.advance(loop.params)  # compiled before the clock starts
+    sync = DilocoSync.connect(params, SyncConfig(url=url, name=name, token=token, codec=cfg.codec))
+    steps, end = 0, time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            params = sync.step(loop.advance(params), tokens=loop.tokens)
+            steps += 1
+        counts = {"name": name, "learner": sync.learner_id, "steps": steps, "applied": sync.merged_versions_applied}
+        sync.close(params)
+    finally:
+        sync.close()
+    if out is not None:
+        out.put(counts)
+    return counts
 
 
 class _CountingTransport:

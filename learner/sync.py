@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,6 +64,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("ddiloco.learner")
+
+# A graceful close (`close(params)`) waits at most this long for room in the transport's push queue
+# (a short one, ClientConfig.pushes_queued_max) for its last pushes, retrying every
+# CLOSE_PUSH_RETRY_S while the network thread sends; past it a push is dropped, and what it carried
+# is booked lost, as a kill would leave it. (Dropped at once, the fourth of four fragments pushed
+# together at the close was lost in a test of learners stepping every 2 ms.)
+CLOSE_PUSH_WAIT_S = 10.0
+CLOSE_PUSH_RETRY_S = 0.005
 
 # (welcome, params, opt_state, token, timeout_s, snapshot_bytes_max) -> the state copied from a peer
 RecoverFn = Callable[[session.WelcomeInfo, Any, Any, "str | None", float, int], recovery.Recovered]
@@ -783,14 +792,23 @@ class DilocoSync:
 
     def _push_the_rest(self, params: Any) -> None:
         """Push every fragment that holds a version and trained since its last push (the pushes the
-        last step started go out first, in order), for `close`."""
+        last step started go out first, in order), for `close`. A push the transport refuses for a
+        full queue is made again once there is room (at most CLOSE_PUSH_WAIT_S in all)."""
         self._send_in_flight()
-        for q, frag in enumerate(self.fragments):
-            last = pushes.last_from(self._pushes, q, frag.version)
-            since = frag.tokens - (last.tokens if last is not None else 0)
-            if frag.version >= 0 and frag.base is not None and since > 0:
+        deadline = time.monotonic() + CLOSE_PUSH_WAIT_S
+        for q in range(len(self.fragments)):
+            while self._unpushed(q):
                 self._pushes = pushes.started(self._pushes, self._start_push(params, q))
-        self._send_in_flight()
+                self._send_in_flight()
+                if not self._unpushed(q) or time.monotonic() >= deadline:
+                    break
+                time.sleep(CLOSE_PUSH_RETRY_S)  # the queue was full: its network thread sends meanwhile
+
+    def _unpushed(self, q: int) -> bool:
+        """Whether fragment q holds a version and has trained since its last push."""
+        frag = self.fragments[q]
+        last = pushes.last_from(self._pushes, q, frag.version)
+        return frag.version >= 0 and frag.base is not None and frag.tokens > (last.tokens if last is not None else 0)
 
     def __enter__(self) -> Self:
         return self

@@ -531,10 +531,36 @@ def test_every_step_of_progress_is_merged_once_however_often_the_learner_pushes(
         sync.close()
 
 
-def _leave_and_count(threaded_syncer, with_params: bool) -> int:
-    """Learner a trains past its last pushes, then leaves (`close`, with its parameters or without)
-    while learner b steps on, so that the fragments' rounds open and close; the tokens booked lost
-    once every push of a has been decided (b loses none while it trains: it keeps its progress)."""
+class _FullQueueOnce:
+    """The hook's transport, whose push queue is full for the first push of each fragment from the
+    moment `fill` is called (fault injection: a graceful close pushes every fragment at once into a
+    queue of a few pushes)."""
+
+    def __init__(self, inner):
+        self.inner, self.refused = inner, []
+
+    def _full(self, push) -> bool:
+        if push.fragment in self.refused:
+            return False
+        self.refused.append(push.fragment)
+        return True
+
+    def push(self, push):
+        return False if self._full(push) else self.inner.push(push)
+
+    def sender(self):
+        send = self.inner.sender()
+        return lambda push: False if self._full(push) else send(push)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _leave_and_count(threaded_syncer, with_params: bool, full_queue: bool = False) -> int:
+    """Learner a trains past its last pushes, then leaves (`close`, with its parameters or without;
+    `full_queue`: into a push queue that refuses each fragment's first push) while learner b steps
+    on, so that the fragments' rounds open and close; the tokens booked lost once every push of a
+    has been decided (b loses none while it trains: it keeps its progress)."""
     s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
     a = {"params": model(1), "target": model(10)}
     a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
@@ -548,7 +574,10 @@ def _leave_and_count(threaded_syncer, with_params: bool) -> int:
             train([a, b], 1)
         train([a], 1)  # trained after every push it made: only close(params) pushes it
         learner = a["sync"].learner_id
+        if full_queue:
+            a["sync"].client = _FullQueueOnce(a["sync"].client)
         a["sync"].close(a["params"] if with_params else None)
+        assert not full_queue or sorted(a["sync"].client.refused) == [0, 1]
         deadline = time.monotonic() + 120
         while s.read(lambda st: any(k[0] == learner for k in st.ledger.held)) and time.monotonic() < deadline:
             train([b], 1)
@@ -566,6 +595,12 @@ def test_a_learner_that_leaves_with_its_parameters_has_every_token_it_trained_me
     is booked lost; a plain close() leaves the last step's tokens unpushed, booked lost."""
     assert _leave_and_count(threaded_syncer, with_params=True) == 0
     assert _leave_and_count(threaded_syncer, with_params=False) > 0
+
+
+def test_a_learner_that_leaves_into_a_full_push_queue_pushes_again_and_loses_nothing(threaded_syncer):
+    """The pushes of a graceful close that the transport refuses for a full queue are made again
+    once there is room (`CLOSE_PUSH_WAIT_S`), rather than dropped with what they carry."""
+    assert _leave_and_count(threaded_syncer, with_params=True, full_queue=True) == 0
 
 
 def test_a_learner_behind_the_global_step_moves_up_to_it_and_pushes_into_the_open_rounds(threaded_syncer):
