@@ -9,6 +9,7 @@ block; its digest is what the syncer and every learner compare at hello time.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import math
 import re
@@ -154,8 +155,9 @@ class Layout:
             ],
         }
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
+        # Cached: the layout never changes, and the syncer's view of its state names it after every event.
         return hashlib.sha256(orjson.dumps(self.describe())).hexdigest()
 
     def locate(self, path: str) -> tuple[int, Segment]:

@@ -203,8 +203,10 @@ class Sessions:
     def handled(self, item: object) -> None:
         """The core handled `item` (called on the core thread): its bytes return to the budget."""
         if isinstance(item, Incoming) and item.nbytes:
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(self.inbound.give_back, item.nbytes)
+            # With what the step sends, in the same crossing (`flush`, which follows every item): a
+            # crossing of its own cost a wake-up of the loop per message.
+            nbytes = item.nbytes
+            self.post(lambda: self.inbound.give_back(nbytes))
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the event loop after this core step (what one step sends goes out together)."""
