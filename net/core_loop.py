@@ -118,7 +118,8 @@ class CoreLoop(Generic[Item]):
         return True
 
     def empty(self) -> bool:
-        """Nothing is waiting to be handled (the item being handled may still be running)."""
+        """Nothing is waiting to be handled (the item being handled may still be running). Read on
+        the core thread too, as a hint: the queue's length is one read of its deque."""
         return self._items.empty()
 
     async def call(self, fn: Callable[[], object]) -> object:

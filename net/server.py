@@ -73,6 +73,8 @@ __all__ = ["CORE_STALL_S_MAX_DEFAULT", "SYNCER_CLOCK_NAME", "CoreFailed", "Serve
 
 log = logging.getLogger("ddiloco.syncer")
 ERROR_TEXT_CHARS_MAX = 500  # of an exception's text sent to the learner it concerns (the log has all of it)
+# Under load, the view (/status, /metrics, the page) is at most this old (net.server._refresh_view).
+VIEW_REFRESH_S = 0.1
 CORE_STALL_S_MAX_DEFAULT = 30.0  # a core that completes nothing this long while work waits is unhealthy
 
 
@@ -191,7 +193,9 @@ class SyncerServer:
             before=self._before,
             observe=self._after,
         )
-        self.view: SyncerView = view_of(state)  # replaced by the core thread after each item
+        # What the HTTP handlers read, replaced by the core thread (`_refresh_view`)
+        self.view: SyncerView = view_of(state)
+        self._view_at = float("-inf")
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -264,6 +268,8 @@ class SyncerServer:
         self._listener.close()  # no new connection from here on
         await self.sessions.close_all()
         await self.core.stop()
+        if self.core.failure is None:  # the last items may have come with the stop queued behind them
+            self.view = await self.core.run_after_stop(lambda: view_of(self.shell.state))
         if self.core.failure is not None and self._in_core:
             checkpoint = False
             log.critical(
@@ -359,8 +365,17 @@ class SyncerServer:
         finally:
             self.sessions.handled(item)
         self._in_core = False
-        self.view = view_of(self.shell.state)
+        self._refresh_view(now)
         self.sessions.flush()
+
+    def _refresh_view(self, now: float) -> None:
+        """Take the view after an item when nothing else is queued for the core (so an idle daemon
+        always shows its latest state), and under load at least every VIEW_REFRESH_S. Taken after
+        every item it costs O(learners x fragments) per message: 1.4 ms at 256 learners of 16
+        fragments, which a daemon that many learners report to could not afford."""
+        if self.core.empty() or now - self._view_at >= VIEW_REFRESH_S:
+            self.view = view_of(self.shell.state)
+            self._view_at = now
 
     def _learner_fault(self, item: Incoming | Opened | Closed, exc: Exception, now: float) -> None:
         """One learner's item failed: log it with its traceback, drop that learner, go on."""
