@@ -65,13 +65,16 @@ __all__ = [
 
 log = logging.getLogger("ddiloco.learner")
 
-# A graceful close (`close(params)`) waits at most this long for room in the transport's push queue
-# (a short one, ClientConfig.pushes_queued_max) for its last pushes, retrying every
-# CLOSE_PUSH_RETRY_S while the network thread sends; past it a push is dropped, and what it carried
-# is booked lost, as a kill would leave it. (Dropped at once, the fourth of four fragments pushed
-# together at the close was lost in a test of learners stepping every 2 ms.)
-CLOSE_PUSH_WAIT_S = 10.0
+# A graceful close (`close(params)`) makes a last push that the transport refused for a full queue
+# (a short one, ClientConfig.pushes_queued_max) again, at most CLOSE_PUSH_TRIES times, waiting
+# CLOSE_PUSH_RETRY_S, doubled at each try up to CLOSE_PUSH_RETRY_S_MAX, while the network thread
+# sends (about 9 s in all); after that the push is dropped, and what it carried is booked lost, as a
+# kill would leave it. Bounded by tries, not time, so that a replay, refused where the recorded run
+# was, makes the same tries. (Dropped at once, a close's push was lost in 3 of 4 runs of a test of
+# learners stepping every 2 ms.)
+CLOSE_PUSH_TRIES = 25
 CLOSE_PUSH_RETRY_S = 0.005
+CLOSE_PUSH_RETRY_S_MAX = 0.5
 
 # (welcome, params, opt_state, token, timeout_s, snapshot_bytes_max) -> the state copied from a peer
 RecoverFn = Callable[[session.WelcomeInfo, Any, Any, "str | None", float, int], recovery.Recovered]
@@ -793,16 +796,16 @@ class DilocoSync:
     def _push_the_rest(self, params: Any) -> None:
         """Push every fragment that holds a version and trained since its last push (the pushes the
         last step started go out first, in order), for `close`. A push the transport refuses for a
-        full queue is made again once there is room (at most CLOSE_PUSH_WAIT_S in all)."""
+        full queue is made again once there is room (at most CLOSE_PUSH_TRIES tries)."""
         self._send_in_flight()
-        deadline = time.monotonic() + CLOSE_PUSH_WAIT_S
         for q in range(len(self.fragments)):
-            while self._unpushed(q):
+            for attempt in range(CLOSE_PUSH_TRIES):
+                if not self._unpushed(q):
+                    break
+                if attempt:  # the queue was full: its network thread sends meanwhile
+                    time.sleep(min(CLOSE_PUSH_RETRY_S * 2 ** (attempt - 1), CLOSE_PUSH_RETRY_S_MAX))
                 self._pushes = pushes.started(self._pushes, self._start_push(params, q))
                 self._send_in_flight()
-                if not self._unpushed(q) or time.monotonic() >= deadline:
-                    break
-                time.sleep(CLOSE_PUSH_RETRY_S)  # the queue was full: its network thread sends meanwhile
 
     def _unpushed(self, q: int) -> bool:
         """Whether fragment q holds a version and has trained since its last push."""

@@ -597,6 +597,30 @@ def test_a_learner_that_leaves_with_its_parameters_has_every_token_it_trained_me
     assert _leave_and_count(threaded_syncer, with_params=False) > 0
 
 
+def test_a_close_gives_up_a_push_after_a_bounded_number_of_tries(threaded_syncer, monkeypatch):
+    """A queue that never has room: each unpushed fragment is tried CLOSE_PUSH_TRIES times (a count,
+    not a time: a replay refused where the recorded run was makes the same tries), then given up."""
+    from ddiloco.learner import sync as hook
+
+    monkeypatch.setattr(hook, "CLOSE_PUSH_RETRY_S", 0.0)
+    s = threaded_syncer(num_fragments=2, period=8, quorum=1, token=TOKEN)
+    a = {"params": model(1), "target": model(10)}
+    a["sync"] = DilocoSync.connect(a["params"], SyncConfig(url=s.url, name="a", token=TOKEN))
+    try:
+        deadline = time.monotonic() + 60
+        while min(a["sync"].versions) < 1 or a["sync"].due_next or a["sync"].pushes_in_flight:
+            assert time.monotonic() < deadline, "the learner never got going"
+            train([a], 1)
+        train([a], 1)  # trained since every push it made
+        tried = []
+        full = a["sync"].client = _FullQueueOnce(a["sync"].client)
+        full._full = lambda push: tried.append(push.fragment) or True  # never any room
+        a["sync"].close(a["params"])
+        assert sorted(tried) == [0] * hook.CLOSE_PUSH_TRIES + [1] * hook.CLOSE_PUSH_TRIES
+    finally:
+        s.stop()
+
+
 def test_a_learner_that_leaves_into_a_full_push_queue_pushes_again_and_loses_nothing(threaded_syncer):
     """The pushes of a graceful close that the transport refuses for a full queue are made again
     once there is room (`CLOSE_PUSH_WAIT_S`), rather than dropped with what they carry."""
