@@ -52,7 +52,7 @@ from ddiloco.net.auth import write_token_file
 
 __all__ = ["LearnerBenchConfig", "format_report", "run_learner_bench", "synthetic_learner"]
 
-SYNCER_START_S_MAX = 60.0
+SYNCER_START_S_MAX = 600.0  # to listen and load its kernels (compiled on a fresh checkout: minutes)
 STATUS_S_MAX = 10.0  # the syncer's /status answers within this
 SYNTHETIC_STEP_MS_MAX = 60_000.0
 SYNTHETIC_PARAMS_MAX = 1 << 32  # 16 GiB of float32: more than a bench host should be asked to hold
@@ -272,14 +272,17 @@ def _start_syncer(cfg: LearnerBenchConfig, work: Path) -> tuple[subprocess.Popen
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    # Listening, and its kernels loaded: the daemon warms them up after it listens (net.warmup), and
+    # a merge before that loads its own. Compiled into a fresh checkout's numba cache, that took the
+    # first run's merges long enough that 58% of its tokens were merged late (0% in the run after).
     deadline = time.monotonic() + SYNCER_START_S_MAX
     while time.monotonic() < deadline and proc.poll() is None:
         text = log_path.read_text()
-        if "listening on 127.0.0.1:" in text:
+        if "listening on 127.0.0.1:" in text and ("kernels warmed up" in text or "kernel warm-up failed" in text):
             return proc, int(text.split("listening on 127.0.0.1:")[1].split()[0]), token
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"the syncer did not start; its log:\n{log_path.read_text()[-2000:]}")
+    raise RuntimeError(f"the syncer did not start and warm up; its log:\n{log_path.read_text()[-2000:]}")
 
 
 def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict:
