@@ -157,7 +157,7 @@ class Layout:
 
     @functools.cached_property
     def digest(self) -> str:
-        # Cached: the layout never changes, and the syncer's view of its state names it after every event.
+        # Cached: the layout never changes, and the syncer's view of its state names it each time it is taken.
         return hashlib.sha256(orjson.dumps(self.describe())).hexdigest()
 
     def locate(self, path: str) -> tuple[int, Segment]:

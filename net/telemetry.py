@@ -168,13 +168,14 @@ class SyncerView:
 
 @functools.lru_cache(maxsize=4)
 def _config_view(config: SyncerConfig) -> Mapping[str, Any]:
-    """The config as the view shows it: made once per config (a view is taken after every event, and
-    `to_dict` took about 24 us of it)."""
+    """The config as the view shows it: made once per config (`to_dict` took about 24 us of each
+    view, and a view is taken as often as every event, net.server._refresh_view)."""
     return MappingProxyType(config.to_dict())
 
 
 def view_of(state: SyncerState) -> SyncerView:
-    """A frozen copy of what the outside may read; small (no parameters), taken after every event."""
+    """A frozen copy of what the outside may read; small (no parameters), but O(learners x fragments):
+    the server takes it when its core is idle, and under load every VIEW_REFRESH_S (net.server)."""
     owned = state.owned
     versions = [state.fragments[p].version for p in owned]
     gone = sorted((r for r in state.learners.values() if r.status is LearnerStatus.GONE), key=lambda r: r.last_seen)

@@ -531,16 +531,16 @@ def test_every_step_of_progress_is_merged_once_however_often_the_learner_pushes(
         sync.close()
 
 
-class _FullQueueOnce:
-    """The hook's transport, whose push queue is full for the first push of each fragment from the
-    moment `fill` is called (fault injection: a graceful close pushes every fragment at once into a
-    queue of a few pushes)."""
+class _FullQueue:
+    """The hook's transport, whose push queue is full for the first `refusals` pushes of each
+    fragment (fault injection: a graceful close pushes every fragment at once into a queue of a few
+    pushes); `refused` lists the fragment of each push it refused."""
 
-    def __init__(self, inner):
-        self.inner, self.refused = inner, []
+    def __init__(self, inner, refusals: int = 1):
+        self.inner, self.refusals, self.refused = inner, refusals, []
 
     def _full(self, push) -> bool:
-        if push.fragment in self.refused:
+        if self.refused.count(push.fragment) >= self.refusals:
             return False
         self.refused.append(push.fragment)
         return True
@@ -575,7 +575,7 @@ def _leave_and_count(threaded_syncer, with_params: bool, full_queue: bool = Fals
         train([a], 1)  # trained after every push it made: only close(params) pushes it
         learner = a["sync"].learner_id
         if full_queue:
-            a["sync"].client = _FullQueueOnce(a["sync"].client)
+            a["sync"].client = _FullQueue(a["sync"].client)
         a["sync"].close(a["params"] if with_params else None)
         assert not full_queue or sorted(a["sync"].client.refused) == [0, 1]
         deadline = time.monotonic() + 120
@@ -612,18 +612,16 @@ def test_a_close_gives_up_a_push_after_a_bounded_number_of_tries(threaded_syncer
             assert time.monotonic() < deadline, "the learner never got going"
             train([a], 1)
         train([a], 1)  # trained since every push it made
-        tried = []
-        full = a["sync"].client = _FullQueueOnce(a["sync"].client)
-        full._full = lambda push: tried.append(push.fragment) or True  # never any room
+        full = a["sync"].client = _FullQueue(a["sync"].client, refusals=hook.CLOSE_PUSH_TRIES + 1)  # never room
         a["sync"].close(a["params"])
-        assert sorted(tried) == [0] * hook.CLOSE_PUSH_TRIES + [1] * hook.CLOSE_PUSH_TRIES
+        assert sorted(full.refused) == [0] * hook.CLOSE_PUSH_TRIES + [1] * hook.CLOSE_PUSH_TRIES
     finally:
         s.stop()
 
 
 def test_a_learner_that_leaves_into_a_full_push_queue_pushes_again_and_loses_nothing(threaded_syncer):
     """The pushes of a graceful close that the transport refuses for a full queue are made again
-    once there is room (`CLOSE_PUSH_WAIT_S`), rather than dropped with what they carry."""
+    once there is room (at most `CLOSE_PUSH_TRIES` tries), rather than dropped with what they carry."""
     assert _leave_and_count(threaded_syncer, with_params=True, full_queue=True) == 0
 
 
