@@ -572,7 +572,13 @@ def _leave_and_count(threaded_syncer, with_params: bool, full_queue: bool = Fals
             train([a, b], 1)
         while a["sync"].due_next:  # on to a step where nothing falls due
             train([a, b], 1)
-        train([a], 1)  # trained after every push it made: only close(params) pushes it
+        train([a], 1)
+        # Trained after every push it made, so that only close(params) pushes it: a step can still
+        # start a push that carries its tokens (an update that says b's global step is ahead makes a
+        # catch up and push what fell due), and that push is in flight after the step.
+        while a["sync"].pushes_in_flight:
+            assert time.monotonic() < deadline, "a's pushes never went out"
+            train([a], 1)
         learner = a["sync"].learner_id
         if full_queue:
             a["sync"].client = _FullQueue(a["sync"].client)
