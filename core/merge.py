@@ -8,6 +8,10 @@ gradient Delta is, per tensor of the fragment:
 
 with unit(0) = 0. Embedding tensors are always mean-merged. When the RDA mean direction of a tensor
 has (almost) vanished, its direction carries no information and the plain mean is used instead.
+A round of one contribution is merged by the mean whatever the method: RDA of one vector is the
+vector itself (its radius is its norm, its direction its own), and the mean gives it exactly, in the
+one fused pass of the outer step instead of RDA's three (norms, accumulate, step). Rounds of one push
+are what a syncer under load with a small quorum merges most.
 
 Contributions are summed in learner-id order, so the result does not depend on arrival order.
 
@@ -160,7 +164,7 @@ def merge_round(
     payloads = tuple(c.payload for c in parts)
     fallback: tuple[str, ...] = ()
     merged = MergedGradient(fragment.padded_size, tuple(weights), payloads, fragment.offsets)
-    if method is MergeMethod.RDA:
+    if method is MergeMethod.RDA and len(parts) > 1:
         summed, factors, fallback = _rda(parts, weights, fragment)
         merged = MergedGradient(fragment.padded_size, tuple(weights), payloads, fragment.offsets, summed, factors)
     return merged, MergeInfo(tuple(ids), tuple(weights), fallback)

@@ -140,6 +140,25 @@ def test_int4_contributions_merge_like_their_decoded_values():
     np.testing.assert_allclose(got, reference_rda(decoded, [1.0, 2.0, 3.0], frag), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["int4", "fp32", "bf16"])
+def test_a_round_of_one_contribution_merges_to_it_exactly_and_in_one_fused_pass(name):
+    # RDA of one vector is the vector (radius its norm, direction its own): the merge gives its decoded
+    # bits whatever its token weight, zero and embedding tensors included, with nothing left to scale
+    from ddiloco.core import merge as merging
+
+    sizes = [270000, 300, 9000, 130]
+    frag = one_fragment(sizes, embedding=(1,))
+    rng = np.random.default_rng(11)
+    v = padded(frag, *(rng.standard_normal(s).astype(np.float32) * np.float32(0.01) for s in sizes))
+    v[270300:279300] = 0.0
+    c = contrib(4, 3.7, v, name)
+    merged, info = merging.merge_round([c], frag, "rda")
+    assert merged.summed is None and merged.factors is None  # the mean's fused pass, not RDA's three
+    assert info == merging.MergeInfo((4,), (1.0,), ())
+    np.testing.assert_array_equal(merged.values(), c.payload.decode())
+    np.testing.assert_array_equal(merge([c], frag, "rda")[0], merge([c], frag, "mean")[0])
+
+
 def test_bad_merges():
     frag = one_fragment([256])
     with pytest.raises(ValueError, match="positive weight"):
