@@ -554,6 +554,23 @@ class SyncerClient:
         self.bytes_out += len(frame)
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The client thread's event loop: uvloop's where installed, else asyncio's own.
+
+    Why it matters to the training thread: a report or push handed over wakes the loop
+    (`call_soon_threadsafe`). asyncio's loop writes to its wake-up socket with the GIL released, so
+    the woken loop thread takes the GIL at once and the training thread gets it back only when the
+    loop has done its work and waits again: measured 195-227 us per wake-up on the hook's call
+    (`ddiloco bench learner --synthetic-step-ms 2`, 364 wake-ups in 1200 steps). uvloop wakes its
+    loop with the GIL held, so the loop's work waits for the training thread to let go of the GIL,
+    which it does while it waits for its devices."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class ThreadedClient:
     """A `SyncerClient` on a background thread with its own event loop.
 
@@ -561,7 +578,7 @@ class ThreadedClient:
     monotonic) paces progress reports (ClientConfig.progress_interval_s)."""
 
     def __init__(self, config: ClientConfig, clock: Callable[[], float] = time.monotonic):
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._clock = clock
         self._interval_s = config.progress_interval_s
         # The newest progress report held back, (welcomes, report): a deque of one, since its

@@ -149,3 +149,24 @@ def test_a_report_that_moves_past_a_round_opening_goes_at_once_and_a_repeat_is_h
         clock.now += 0.01
         tc.progress(report(step))
     assert queued() == [1, 5, 7]  # 5 passed step 3, 7 passed step 6; 1, 5 and 7 again opened nothing new
+
+
+def test_the_client_loop_is_uvloops_so_a_hand_over_keeps_the_gil(monkeypatch):
+    # asyncio's loop wakes with the GIL released and its thread takes the GIL from the training
+    # thread at every report or push handed over; uvloop's wakes with it held (net.client._new_loop)
+    import sys
+
+    import uvloop  # a dependency of the package wherever it runs (pyproject.toml)
+
+    tc = ThreadedClient(ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=()))
+    try:
+        assert isinstance(tc._loop, uvloop.Loop)
+    finally:
+        tc.close()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: asyncio's own
+    tc = ThreadedClient(ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=()))
+    try:
+        assert not isinstance(tc._loop, uvloop.Loop)
+        tc.progress(report(1))
+    finally:
+        tc.close()
