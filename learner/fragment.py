@@ -31,12 +31,11 @@ class FragmentSync(NamedTuple):
     # Of `tokens`, those trained under the version before and carried over its merge (learner.arrivals).
     carried: int = 0
 
-    def counted(self, tokens: int) -> FragmentSync:
-        """One more inner step of `tokens` tokens."""
-        # Built field by field, not by _replace: every call of the hook counts every fragment, and
-        # _replace's keyword handling took most of an idle call's time.
-        v, base, steps, toks, feedback, published, carried = self
-        return FragmentSync(v, base, steps + 1, toks + tokens, feedback, published, carried)
+    def counted(self, tokens: int, steps: int = 1) -> FragmentSync:
+        """`steps` more inner steps (one by default), of `tokens` tokens in all."""
+        # Built field by field, not by _replace: _replace's keyword handling cost more than the rest.
+        v, base, done, toks, feedback, published, carried = self
+        return FragmentSync(v, base, done + steps, toks + tokens, feedback, published, carried)
 
     def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
         """A version arrived and was applied: it is the new base, and the counters start again."""

@@ -36,13 +36,7 @@ class DispatchLead:
     def dispatched(self, step: int, probe: Any) -> int:
         """Step `step` was dispatched and `probe` is one of its output arrays (None: its values are
         on the host, computed already); the newest step known computed now."""
-        if probe is None:
-            self._pending.clear()
-            self.computed = max(self.computed, step)
-            return self.computed
-        self._pending.append((step, probe))
-        if len(self._pending) > LEAD_STEPS_MAX:
-            self.computed = max(self.computed, self._pending.popleft()[0])
+        self.note(step, probe)
         while self._pending:
             step, probe = self._pending[0]
             if probe.is_deleted():
@@ -55,6 +49,17 @@ class DispatchLead:
             self._pending.popleft()
             self.computed = max(self.computed, step)
         return self.computed
+
+    def note(self, step: int, probe: Any) -> None:
+        """Step `step` was dispatched and `probe` is one of its output arrays, not asked about now:
+        `dispatched`, at the next report, looks at it (a call of the hook that only counts)."""
+        if probe is None:
+            self._pending.clear()
+            self.computed = max(self.computed, step)
+            return
+        self._pending.append((step, probe))
+        if len(self._pending) > LEAD_STEPS_MAX:
+            self.computed = max(self.computed, self._pending.popleft()[0])
 
     @property
     def pending(self) -> int:

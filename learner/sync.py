@@ -192,7 +192,11 @@ class DilocoSync:
         self._learner_id: int | None = None
         self._layout: Layout | None = None
         self.tree: TreeFragments | None = None
-        self.fragments: tuple[FragmentSync, ...] = ()
+        self._fragments: tuple[FragmentSync, ...] = ()
+        # Steps and tokens counted by calls that only count (`_counts_only`), not yet in `fragments`.
+        self._uncounted_steps = 0
+        self._uncounted_tokens = 0
+        self._holds_report: Callable[[int], bool] | None = None  # the transport's holds_report, if any
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
         self._lead = DispatchLead()  # the steps dispatched and not known computed (report_computed)
@@ -251,6 +255,7 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.welcome(1, welcome)
         self._layout = layout_from_description(welcome.layout)
+        self._holds_report = getattr(self.client, "holds_report", None)
         self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
         self._schedule = scheduling.schedule_of(welcome, self._layout.num_fragments)
@@ -414,6 +419,22 @@ class DilocoSync:
     # ---- the step ------------------------------------------------------------------------------------
 
     @property
+    def fragments(self) -> tuple[FragmentSync, ...]:
+        """Each fragment's sync state (learner.fragment), every call of `step` counted."""
+        if self._uncounted_steps:
+            steps, tokens = self._uncounted_steps, self._uncounted_tokens
+            self._uncounted_steps = self._uncounted_tokens = 0
+            self._fragments = tuple([f.counted(tokens, steps) for f in self._fragments])
+        return self._fragments
+
+    @fragments.setter
+    def fragments(self, value: tuple[FragmentSync, ...]) -> None:
+        # A new state whole: each step's update reads the old one first (counting what is uncounted);
+        # a state recovered or restored replaces it, counts and all.
+        self._uncounted_steps = self._uncounted_tokens = 0
+        self._fragments = value
+
+    @property
     def due_next(self) -> tuple[int, ...]:
         """The fragments the next call of `step` pushes (starts copying), as the schedule stands now:
         step_count + 1 is the next call's step. Empty while the learner does not hold every fragment."""
@@ -436,7 +457,8 @@ class DilocoSync:
         return scheduling.caught_up(self._schedule, self.fragments, step, global_step)
 
     def _scheduled_next(self) -> tuple[int, ...]:
-        return scheduling.scheduled_at(self._schedule, self.fragments, self.step_count + 1)
+        # the versions held are all it reads: counting the calls into the fragments can wait
+        return scheduling.scheduled_at(self._schedule, self._fragments, self.step_count + 1)
 
     @property
     def pushes_in_flight(self) -> tuple[int, ...]:
@@ -476,10 +498,13 @@ class DilocoSync:
         scheduled = self._scheduled_next()
         self.step_count += 1
         self.calls += 1
-        self.fragments = tuple([f.counted(tokens) for f in self.fragments])
+        self._uncounted_steps += 1
+        self._uncounted_tokens += tokens
         updates, errors, (welcomes, welcome) = client.take()
         if self.tape is not None:
             self.tape.take(self.calls, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
+        elif not (scheduled or updates or errors or welcomes != self.welcomes_seen) and self._counts_only(tree, params):
+            return params
         if welcomes != self.welcomes_seen:
             assert welcome is not None, "a transport counted a welcome it did not hand over"
             self.welcomes_seen = welcomes
@@ -535,6 +560,31 @@ class DilocoSync:
                 self.tape.published(self.calls, self.step_count, snapshot)
             self.snapshots.publish(snapshot)
         return params
+
+    def _counts_only(self, tree: TreeFragments, params: Any) -> bool:
+        """Whether this call, with nothing due and nothing taken, has nothing to do but count (the
+        counting is done): no arrived version is to be applied (those waiting behind a push or a
+        decode wait one call more), no push the background thread sent is to be booked, no peer
+        wants a snapshot, and the transport would hold back this call's progress
+        report (`holds_report`: superseded by a later one), so none is built. Most calls of a loop
+        stepping faster than its fragments fall due: each skips the work of a report (measured, see
+        docs/operations.md). Never where a tape is recorded: a replay makes every call's report."""
+        holds = self._holds_report
+        if holds is None or self.snapshots.wanted:
+            return False
+        if self._pushes.in_flight and any(_landed(f) for f in self._pushes.in_flight):
+            return False
+        if not holds(self.step_count):
+            return False
+        if self._deferred:  # versions waiting for a push or a decode: they wait one call more, or this call applies
+            busy = set(self.pushes_in_flight) | self._decoding({})
+            ready, waiting = arrivals.defer(self._deferred, {}, busy)
+            if ready:
+                return False
+            self._deferred = waiting
+        if self.config.report_computed:
+            self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
+        return True
 
     def _reported_step(self, tree: TreeFragments, params: Any) -> int:
         """The step a progress report names (SyncConfig.report_computed): the newest computed."""

@@ -660,7 +660,7 @@ class ThreadedClient:
         self._check()
         check_progress(item)
         now = self._clock()
-        due = self._welcome is not None and self._welcome.opens_round(item.step, self._reported_step)
+        due = self._opens_round(item.step)
         self._reported_step = item.step
         if not due and item.versions == self._forwarded_versions and now - self._forwarded_at < self._interval_s:
             self._held.append((self._welcomes_seen, item, now))
@@ -673,6 +673,21 @@ class ThreadedClient:
         else:
             self._loop.call_soon_threadsafe(self._forward, self._welcomes_seen, item)
         self._forwarded_at, self._forwarded_versions = now, item.versions
+
+    def holds_report(self, step: int) -> bool:
+        """Whether `progress` would hold back, not forward, a report of `step` (or of any computed
+        step before it) under the versions of the report handed over last: the hook's calls that
+        only count then hand over no report at all (learner.sync). Such a report would have been
+        superseded by the next one anyway, unless the loop stops calling for a whole interval: the
+        timer then sends the report held, of the last call that reported, a few steps older."""
+        return (
+            self._forwarded_versions is not None
+            and not self._opens_round(step)
+            and self._clock() - self._forwarded_at < self._interval_s
+        )
+
+    def _opens_round(self, step: int) -> bool:
+        return self._welcome is not None and self._welcome.opens_round(step, self._reported_step)
 
     def _take_held(self) -> tuple[int, session.ProgressInfo, float] | None:
         try:

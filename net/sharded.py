@@ -240,6 +240,11 @@ class ShardedClient:
             if whole or all(item.versions[q] >= 0 for q in link.welcome.owned):
                 link.client.progress(sent)
 
+    def holds_report(self, step: int) -> bool:
+        """Whether every shard this learner reports to would hold back a report of `step`
+        (`ThreadedClient.holds_report`): the hook's calls that only count then make none."""
+        return all(link.client.holds_report(step) for link in self._by_shard if self._current(link))
+
     def push(self, item: Push) -> bool:
         """To the fragment's owner; False when not sent (that shard is away, or its queue is full):
         the hook then pushes that progress with its next push."""

@@ -99,3 +99,20 @@ def test_host_leaves_have_no_probe():
     params = {"a": np.ones(4, np.float32), "b": np.zeros(2, np.float32)}
     tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
     assert tree.probe(params) is None
+
+
+def test_steps_noted_without_asking_are_asked_about_at_the_next_report():
+    # a hook call that only counts notes its step's probe (learner.sync._counts_only); the next
+    # report finds every noted step that is computed, the newest included
+    x, counted = _start(), DispatchLead(10)
+    probes = []
+    for step in (11, 12, 13):
+        x = slow_step(x)
+        probes.append(x)
+        counted.note(step, x)
+    assert counted.computed == 10 and counted.pending == 3  # nothing asked yet
+    jax.block_until_ready(probes)
+    assert counted.dispatched(14, probes[-1]) == 14 and counted.pending == 0
+    for step in range(15, 15 + lead.LEAD_STEPS_MAX + 2):
+        counted.note(step, x)  # bounded like dispatched: the oldest is taken as computed
+    assert counted.pending == lead.LEAD_STEPS_MAX and counted.computed == 16

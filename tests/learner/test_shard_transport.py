@@ -97,6 +97,22 @@ def test_inits_go_to_each_fragments_owner_and_progress_to_every_shard(threaded_s
         t.close()
 
 
+def test_a_report_is_held_back_only_where_every_shard_would_hold_it(threaded_syncer, monkeypatch):
+    # the hook's calls that only count skip their report only if no shard would have sent it on
+    shard0, shard1 = threaded_syncer(holding(shard_config(0))), threaded_syncer(holding(shard_config(1)))
+    t = connect(shard0.url, shard1.url)
+    try:
+        t.wait_welcome(30)
+        first, second = (link.client for link in t._by_shard)
+        assert not t.holds_report(1)  # nothing reported to either shard yet
+        for a, b in ((True, True), (True, False), (False, True)):
+            monkeypatch.setattr(first, "holds_report", lambda step, a=a: a)
+            monkeypatch.setattr(second, "holds_report", lambda step, b=b: b)
+            assert t.holds_report(1) is (a and b)
+    finally:
+        t.close()
+
+
 def test_a_push_is_merged_by_its_owner_and_a_shard_down_holds_up_nobody(threaded_syncer):
     shard0 = threaded_syncer(holding(shard_config(0)))
     shard1 = threaded_syncer(holding(shard_config(1)))

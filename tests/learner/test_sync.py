@@ -159,6 +159,46 @@ def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threade
         s.stop()
 
 
+def test_a_call_with_nothing_to_do_only_counts_and_its_counts_reach_the_next_report(threaded_syncer, monkeypatch):
+    """learner.sync._counts_only: where the websocket client would hold the report back (no round
+    opens, within its interval), a call with nothing due, taken or to book builds and hands over no
+    report; the next report handed over counts every call since the one before."""
+    s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)  # due at steps 0 and 8 mod 16
+    try:
+        params, target = model(1), model(10)
+        sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0))
+        deadline = time.monotonic() + 120
+        while s.server.state.merges < 2 and time.monotonic() < deadline:
+            for _ in range(4):
+                params = sync.step(inner_step(params, target), tokens=7)
+            time.sleep(0.01)
+        assert s.server.state.merges >= 2
+        handed = []  # (calls so far, versions applied so far, the report)
+        forward = sync.client.progress
+        monkeypatch.setattr(
+            sync.client,
+            "progress",
+            lambda item: (handed.append((sync.calls, sync.merged_versions_applied, item)), forward(item))[1],
+        )
+        for _ in range(64):
+            params = sync.step(inner_step(params, target), tokens=7)
+            time.sleep(0.003)
+        assert 4 <= len(handed) <= 40, len(handed)  # at least each round's opening; far from every call
+        pairs = 0
+        for (calls0, applied0, a), (calls1, applied1, b) in zip(handed, handed[1:]):
+            for q in range(2):
+                if applied1 == applied0 and a.versions[q] == b.versions[q]:
+                    assert b.steps[q] - a.steps[q] == calls1 - calls0
+                    assert b.tokens[q] - a.tokens[q] == 7 * (calls1 - calls0)
+                    pairs += calls1 - calls0 > 1  # calls between them handed over nothing
+        assert pairs >= 2
+        assert all(t == 7 * n for t, n in zip(sync.tokens, sync.steps))
+        sync.close(params)
+        s.server.state.ledger.check()
+    finally:
+        s.stop()
+
+
 def _step_until_a_push_starts(sync, params, target, deadline):
     """Train until a call starts a push while every fragment's version is held; (params, fragment)."""
     while not (sync.pushes_in_flight and min(sync.versions) >= 0):

@@ -1,5 +1,6 @@
 """ThreadedClient's progress pacing: fewer reports forwarded, never the last one under a version."""
 
+import asyncio
 import threading
 import time
 
@@ -163,10 +164,39 @@ def test_the_client_loop_is_uvloops_so_a_hand_over_keeps_the_gil(monkeypatch):
         assert isinstance(tc._loop, uvloop.Loop)
     finally:
         tc.close()
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: asyncio's own
+    # not installed: asyncio's own (whatever its policy makes: a test before may have set uvloop's)
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    made = []
+    new_event_loop = asyncio.new_event_loop
+    monkeypatch.setattr(asyncio, "new_event_loop", lambda: made.append(new_event_loop()) or made[-1])
     tc = ThreadedClient(ClientConfig(url="ws://127.0.0.1:9/ws", name="t", tensors=()))
     try:
-        assert not isinstance(tc._loop, uvloop.Loop)
+        assert made == [tc._loop]
         tc.progress(report(1))
     finally:
         tc.close()
+
+
+def test_holds_report_says_whether_a_report_would_be_held_without_one_being_made(paced):
+    # learner.sync skips building the report of a call that only counts where this says it would be
+    # held back: never before the first report, at a step where a round opens (since the last report)
+    # or once the interval since the last one forwarded has passed; and asking changes nothing
+    tc, clock, queued = paced(0.2)
+    tc._welcome = session.WelcomeInfo(1, {}, "ab" * 32, (0, 0), 0, False, period=6, offsets=(0, 3))
+    assert not tc.holds_report(1)  # nothing forwarded yet: the first report goes out
+    tc.progress(report(1))
+    assert queued() == [1]
+    assert tc.holds_report(2) and tc.holds_report(2)
+    assert not tc.holds_report(3)  # fragment 1's round opens at 3
+    assert not tc.holds_report(7)  # and another at 6, between the last report and 7
+    clock.now += 0.25
+    assert not tc.holds_report(2)  # the interval has passed: the report goes out
+    tc.progress(report(2))
+    assert queued() == [1, 2]
+    clock.now += 0.1
+    assert tc.holds_report(2)
+    tc.progress(report(2))  # held, as holds_report said
+    assert queued() == [1, 2]
+    every, _, _ = paced(0.0)
+    every.progress(report(1))
+    assert not every.holds_report(2)  # an interval of 0 forwards every report
