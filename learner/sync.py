@@ -565,10 +565,10 @@ class DilocoSync:
         """Whether this call, with nothing due and nothing taken, has nothing to do but count (the
         counting is done): no arrived version is to be applied (those waiting behind a push or a
         decode wait one call more), no push the background thread sent is to be booked, no peer
-        wants a snapshot, and the transport would hold back this call's progress
-        report (`holds_report`: superseded by a later one), so none is built. Most calls of a loop
-        stepping faster than its fragments fall due: each skips the work of a report (measured, see
-        docs/operations.md). Never where a tape is recorded: a replay makes every call's report."""
+        wants a snapshot, and the transport would hold back this call's progress report
+        (`holds_report`: superseded by a later one; no snapshot marker waits), so none is built. Most
+        calls of a loop stepping faster than its fragments fall due: each skips the work of a report
+        (docs/learner.md). Never where a tape is recorded: a replay makes every call's report."""
         holds = self._holds_report
         if holds is None or self.snapshots.wanted:
             return False

@@ -676,12 +676,14 @@ class ThreadedClient:
 
     def holds_report(self, step: int) -> bool:
         """Whether `progress` would hold back, not forward, a report of `step` (or of any computed
-        step before it) under the versions of the report handed over last: the hook's calls that
-        only count then hand over no report at all (learner.sync). Such a report would have been
-        superseded by the next one anyway, unless the loop stops calling for a whole interval: the
-        timer then sends the report held, of the last call that reported, a few steps older."""
+        step before it) under the versions of the report handed over last, and no snapshot marker
+        waits for the hook (`take_markers`): the hook's calls that only count then hand over no
+        report at all (learner.sync). Such a report would have been superseded by the next one
+        anyway, unless the loop stops calling for a whole interval: the timer then sends the report
+        held, of the last call that reported, a few steps older."""
         return (
-            self._forwarded_versions is not None
+            not self._markers
+            and self._forwarded_versions is not None
             and not self._opens_round(step)
             and self._clock() - self._forwarded_at < self._interval_s
         )

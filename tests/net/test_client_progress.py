@@ -195,6 +195,9 @@ def test_holds_report_says_whether_a_report_would_be_held_without_one_being_made
     assert queued() == [1, 2]
     clock.now += 0.1
     assert tc.holds_report(2)
+    tc._markers = [5]  # a snapshot's marker taken from the inbox: the call that hands it out reports
+    assert not tc.holds_report(2)
+    assert tc.take_markers() == [5] and tc.holds_report(2)
     tc.progress(report(2))  # held, as holds_report said
     assert queued() == [1, 2]
     every, _, _ = paced(0.0)
