@@ -18,7 +18,10 @@ a fragment; a block of 12 steps holds two rounds of the default schedule); the m
 rounds, because this machine's speed drifts by up to 3x over minutes and a round that straddles
 such a change says nothing about the hook. The quartiles of the per-round figures show the spread.
 Beside it, CPU time per step each way, of this process (all its threads: XLA's, the client's) and of
-the syncer's: on 2 shared cores the hook's cost is CPU that the training step then lacks.
+the syncer's: on 2 shared cores the hook's cost is CPU that the training step then lacks. This
+process's is also split by thread (`hooked_cpu_by_thread_ms`, `plain_cpu_by_thread_ms`): the
+training thread, the hook's background thread, its network thread, and the others (XLA's, numba's),
+read from /proc in clock ticks.
 
 The hook's own time, `sync.step` timed around the call (the step's parameters already ready, so it
 holds no wait for the device): its median on the hooked steps where no push started or was booked
@@ -59,6 +62,9 @@ SYNTHETIC_PARAMS_MAX = 1 << 32  # 16 GiB of float32: more than a bench host shou
 SYNTHETIC_PARAMS_DEFAULT = 10 * (1 << 20)  # the CLI's 10M
 WARMUP_STEPS_MAX = 10_000  # the warm-up goes on until the learner holds every fragment, up to this
 REFERENCE_HEADS = 4  # reference.ModelConfig's n_heads, which d_model must be a multiple of
+THREAD_ROLES = ("training", "background", "network", "other")  # how CPU per step is split by thread
+BACKGROUND_THREAD_PREFIX = "ddiloco-sync"  # learner.background's worker
+NETWORK_THREAD_NAME = "ddiloco-client"  # net.client.ThreadedClient's
 SYNTHETIC_TOKENS_PER_STEP = 512  # what a synthetic step reports (the reference loop's 8 x 64)
 
 
@@ -331,15 +337,18 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
             warm += 1
         times: dict[bool, list[float]] = {True: [], False: []}
         cpu = {True: [0.0, 0.0], False: [0.0, 0.0]}  # (this process, the syncer's) CPU seconds each way
+        by_thread = {hooked: dict.fromkeys(THREAD_ROLES, 0.0) for hooked in (True, False)}  # this process's, by role
         ratios = []
         per_block = cfg.steps // cfg.rounds
         for r in range(cfg.rounds):
             block = {}
             for hooked in (False, True) if r % 2 == 0 else (True, False):
-                before = (_cpu_s(), _cpu_s(proc.pid))
+                before, threads_before = (_cpu_s(), _cpu_s(proc.pid)), _threads_cpu_s()
                 block[hooked] = [one(hooked) for _ in range(per_block)]
                 cpu[hooked][0] += _cpu_s() - before[0]
                 cpu[hooked][1] += _cpu_s(proc.pid) - before[1]
+                for role, seconds in _threads_cpu_s().items():
+                    by_thread[hooked][role] += max(0.0, seconds - threads_before.get(role, 0.0))
                 times[hooked] += block[hooked]
             ratios.append(statistics.fmean(block[True]) / statistics.fmean(block[False]))
         applied, pushed = sync.merged_versions_applied, counted.pushes
@@ -387,6 +396,10 @@ def run_learner_bench(cfg: LearnerBenchConfig, work: Path | None = None) -> dict
         "plain_cpu_ms": 1000 * cpu[False][0] / len(plain),
         "hooked_cpu_ms": 1000 * cpu[True][0] / len(hooked),
         "syncer_cpu_ms": 1000 * cpu[True][1] / len(hooked),
+        # the same by thread (_threads_cpu_s), in clock ticks (10 ms on Linux): at 1200 steps a
+        # figure below about 0.1 ms per step is within their resolution
+        "hooked_cpu_by_thread_ms": {role: 1000 * v / len(hooked) for role, v in by_thread[True].items()},
+        "plain_cpu_by_thread_ms": {role: 1000 * v / len(plain) for role, v in by_thread[False].items()},
     }
 
 
@@ -414,6 +427,38 @@ def _median_or_none(values: list[float]) -> float | None:
 
 def _mean_or_none(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def _threads_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, summed by role (THREAD_ROLES): the calling
+    thread (the training loop), the hook's background thread, its network thread, and the rest
+    (XLA's and numba's pools, among others); {} where /proc is missing. A thread that ended since an
+    earlier call takes its seconds with it, so differences are taken per role and never below 0."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    me, tick = threading.get_native_id(), os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(THREAD_ROLES, 0.0)
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        out[_thread_role(tid, me, names.get(tid, ""))] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _thread_role(tid: int, training: int, name: str) -> str:
+    if tid == training:
+        return "training"
+    if name.startswith(BACKGROUND_THREAD_PREFIX):
+        return "background"
+    if name == NETWORK_THREAD_NAME:
+        return "network"
+    return "other"
 
 
 def _cpu_s(pid: int | None = None) -> float:
@@ -460,6 +505,14 @@ def _fates(ledger: dict) -> str:
     )
 
 
+def _by_thread(r: dict) -> str:
+    hooked, plain = r["hooked_cpu_by_thread_ms"], r["plain_cpu_by_thread_ms"]
+    if not any(hooked.values()):
+        return "- (no /proc here)"
+    split = lambda ms: ", ".join(f"{role} {ms[role]:.2f}" for role in THREAD_ROLES)  # noqa: E731
+    return f"with hook {split(hooked)} ms per step; without {split(plain)}"
+
+
 def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f} us"
 
@@ -500,6 +553,7 @@ def format_report(r: dict) -> str:
                 f"{100 * ((r['hooked_cpu_ms'] + r['syncer_cpu_ms']) / r['plain_cpu_ms'] - 1):+.1f}% in all)"
             ),
         ),
+        ("CPU by thread", _by_thread(r)),
         (
             "merged",
             "no tokens reported"

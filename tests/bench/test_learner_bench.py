@@ -35,11 +35,44 @@ def test_a_short_synthetic_run_writes_every_figure_in_its_range(tmp_path, capsys
     assert r["ledger"]["merged"] > 0 and r["ledger"]["reported"] >= r["ledger"]["merged"]
     assert math.isfinite(r["overhead"]) and r["overhead"] > -1
     assert r["overhead_pct"] == pytest.approx(100 * r["overhead"])
+    # this process's CPU by thread: every role, never negative, adding up to the process's own
+    # figure within the clock ticks both are counted in (10 ms each, per block of 60 steps)
+    for kind in ("hooked", "plain"):
+        split = r[f"{kind}_cpu_by_thread_ms"]
+        assert set(split) == {"training", "background", "network", "other"} and min(split.values()) >= 0
+        assert sum(split.values()) == pytest.approx(r[f"{kind}_cpu_ms"], abs=8 * 5 * 10 / 60)
     # a synthetic step waits out its 2 ms whatever else it does
     assert r["plain_p50_ms"] >= 2.0 and r["hooked_p50_ms"] >= 2.0
     text = capsys.readouterr().out
     assert "synthetic: 100,000 parameters, 2 ms per step (sleep)" in text and "hook per call" in text
+    assert "CPU by thread  with hook training" in text
     assert format_report(r) in text
+
+
+def test_thread_cpu_is_split_by_the_threads_role():
+    # a thread named as the hook's background thread burns CPU: its seconds land under its role
+    import threading
+    import time
+
+    from ddiloco.bench import learner
+
+    before, burnt, read = learner._threads_cpu_s(), threading.Event(), threading.Event()
+
+    def burn():
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        burnt.set()
+        read.wait(60)  # alive while its seconds are read: a thread that ended takes them with it
+
+    worker = threading.Thread(target=burn, name="ddiloco-sync_0")
+    worker.start()
+    assert burnt.wait(60)
+    after = learner._threads_cpu_s()
+    read.set()
+    worker.join()
+    assert after["background"] - before["background"] >= 0.15
+    assert after["training"] - before["training"] < 0.1  # this thread waited
 
 
 @pytest.mark.parametrize(
