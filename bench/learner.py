@@ -439,15 +439,12 @@ def _threads_cpu_s() -> dict[str, float]:
     except (OSError, ValueError):
         return {}
     names = {t.native_id: t.name for t in threading.enumerate()}
-    me, tick = threading.get_native_id(), os.sysconf("SC_CLK_TCK")
+    me = threading.get_native_id()
     out = dict.fromkeys(THREAD_ROLES, 0.0)
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        out[_thread_role(tid, me, names.get(tid, ""))] += (int(fields[11]) + int(fields[12])) / tick
+        seconds = _stat_cpu_s(f"/proc/self/task/{tid}/stat")
+        if seconds is not None:  # else it ended meanwhile
+            out[_thread_role(tid, me, names.get(tid, ""))] += seconds
     return out
 
 
@@ -466,12 +463,19 @@ def _cpu_s(pid: int | None = None) -> float:
     if pid is None:
         t = os.times()
         return t.user + t.system
+    seconds = _stat_cpu_s(f"/proc/{pid}/stat")
+    return 0.0 if seconds is None else seconds
+
+
+def _stat_cpu_s(path: str) -> float | None:
+    """User plus system CPU seconds from a /proc stat file (a process's or a thread's); None where it
+    cannot be read (no /proc, or the thread or process has ended)."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
+        with open(path) as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return 0.0
+        return None
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:

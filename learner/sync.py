@@ -577,8 +577,7 @@ class DilocoSync:
         if not holds(self.step_count):
             return False
         if self._deferred:  # versions waiting for a push or a decode: they wait one call more, or this call applies
-            busy = set(self.pushes_in_flight) | self._decoding({})
-            ready, waiting = arrivals.defer(self._deferred, {}, busy)
+            ready, waiting = self._defer({}, ())
             if ready:
                 return False
             self._deferred = waiting
@@ -601,8 +600,7 @@ class DilocoSync:
     def _apply_arrived(self, params: Any, updates: dict[int, list[session.UpdateInfo]], sent: tuple[int, ...]) -> Any:
         """Apply the updates of each fragment that arrived, in order, except those that wait behind a
         push of the fragment (`arrivals.defer`)."""
-        busy = set(sent) | set(self.pushes_in_flight) | self._decoding(updates)
-        ready, self._deferred = arrivals.defer(self._deferred, updates, busy)
+        ready, self._deferred = self._defer(updates, sent)
         for q, chain in ready:
             if q in self.pushes_in_flight:
                 # Waited long enough (a fragment due every step or two): its push, copied before this
@@ -622,6 +620,15 @@ class DilocoSync:
             if not pushes.flying(self._pushes, q)
             and not pushes.waits_on_push(self._pushes, q, self.fragments[q].version, skips_max)
         )
+
+    def _defer(
+        self, updates: dict[int, list[session.UpdateInfo]], sent: tuple[int, ...]
+    ) -> tuple[list[tuple[int, list[session.UpdateInfo]]], arrivals.Deferred]:
+        """`arrivals.defer` of what waits and what arrived at this call: (the chains to apply now, those
+        that wait one call more), busy being the fragments pushed at this call (`sent`), those whose
+        push is in flight, and those the background thread is still decoding."""
+        busy = set(sent) | set(self.pushes_in_flight) | self._decoding(updates)
+        return arrivals.defer(self._deferred, updates, busy)
 
     def _decoding(self, updates: dict[int, list[session.UpdateInfo]]) -> set[int]:
         """Fragments with an arrived update (now or waiting) that the background thread is still
