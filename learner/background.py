@@ -154,6 +154,9 @@ class Background:
         self._onto: dict[int, tuple[int, np.ndarray, np.ndarray | None, Place | None]] = {}
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()  # id(update) -> its result
         self._pending: dict[int, tuple[session.UpdateInfo, Future]] = {}  # id(update) -> its job, not done
+        # Jobs ended so far, counted once each has its result (a done callback, on this thread): a
+        # hook that sees it unchanged knows no push went out and no decode ended since it last looked.
+        self.finished = 0
 
     def _submit(self, job: Any, update: session.UpdateInfo | None = None) -> Future | None:
         """Queue `job` (None once closed); a decode of `update` is registered as pending in the same
@@ -164,9 +167,15 @@ class Background:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-sync")
             future = self._pool.submit(job)
+            future.add_done_callback(self._count_finished)
             if update is not None:
                 self._pending[id(update)] = (update, future)
             return future
+
+    def _count_finished(self, _: Future) -> None:
+        # On the worker thread (or the submitting one, where the job ended first). It only grows: a
+        # hook that compares it with a value it read sees any job that ended since.
+        self.finished += 1
 
     def encode(self, work: PushWork, send: Send | None = None) -> Encoding:
         """Start a push's host work (`encode_push`) on this thread (serial kernels: the worker is one

@@ -20,6 +20,7 @@ __all__ = [
     "due_fragments",
     "holds_shard_of",
     "newest_global_step",
+    "next_phase_step",
     "rescheduled",
     "scheduled_at",
     "schedule_of",
@@ -67,6 +68,16 @@ def scheduled_at(schedule: Schedule, fragments: tuple[FragmentSync, ...], step: 
     if not due:  # most steps
         return ()
     return tuple(q for q in due if holds_shard_of(schedule, fragments, q))
+
+
+def next_phase_step(schedule: Schedule, step: int) -> int:
+    """The first step after `step` at one of the schedule's phases: where a fragment may fall due
+    and, the welcome's offsets being the rounds' too, where one's round opens. With no phase, a
+    period on (a bound, not a step that matters)."""
+    for s in range(step + 1, step + schedule.period + 1):
+        if s % schedule.period in schedule.due:
+            return s
+    return step + schedule.period
 
 
 def serves_any(schedule: Schedule, versions: tuple[int, ...]) -> bool:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 from ddiloco.core import codec
 from ddiloco.core import publish as publishing
@@ -48,7 +48,7 @@ from ddiloco.learner.tape import LearnerTapeWriter
 from ddiloco.learner.transport import SnapshotOutbox, Transport
 from ddiloco.learner.tree import LeafPlace, TreeFragments, default_is_embedding, tensor_specs
 from ddiloco.net import peer, session
-from ddiloco.net.client import ClientConfig, ThreadedClient
+from ddiloco.net.client import Calm, ClientConfig, ThreadedClient
 from ddiloco.net.peer import PeerConfig, PeerServer, SnapshotBox
 from ddiloco.net.sharded import ShardedClient, split_urls
 
@@ -197,6 +197,7 @@ class DilocoSync:
         self._uncounted_steps = 0
         self._uncounted_tokens = 0
         self._holds_report: Callable[[int], bool] | None = None  # the transport's holds_report, if any
+        self._quiet: _Quiet | None = None  # where the calls to come only count, and until when (`_quiet_call`)
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
         self._lead = DispatchLead()  # the steps dispatched and not known computed (report_computed)
@@ -433,6 +434,7 @@ class DilocoSync:
         # a state recovered or restored replaces it, counts and all.
         self._uncounted_steps = self._uncounted_tokens = 0
         self._fragments = value
+        self._quiet = None  # what a quiet call relies on was of the old state
 
     @property
     def due_next(self) -> tuple[int, ...]:
@@ -491,6 +493,9 @@ class DilocoSync:
         step where fragment p is due its copy to the host starts (`TreeFragments.start_gather`), and
         the background thread encodes and sends the push; a later call books it, once sent (a
         transport without `sender`: the next call sends it)."""
+        if self._quiet is not None and self._quiet_call(params, tokens):
+            return params
+        self._quiet = None
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
@@ -583,6 +588,47 @@ class DilocoSync:
             self._deferred = waiting
         if self.config.report_computed:
             self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
+        self._quiet = self._quiet_from_here(tree)
+        return True
+
+    def _quiet_from_here(self, tree: TreeFragments) -> _Quiet | None:
+        """After a call that only counted: the window over which the calls to come only count too,
+        without asking the transport or the background thread anything (`_quiet_call`). It lasts
+        while no step of the schedule's phases comes (no fragment due, no round opening: a report
+        would go out), nothing arrives, no job of the background thread ends (a push it sent is to
+        be booked), no peer asks for a snapshot, and the report interval runs. None where versions
+        wait to be applied, or the transport cannot say (`calm`: a sharded or replayed one)."""
+        if self._deferred:  # each call counts toward their wait's bound (arrivals.DEFER_CALLS_MAX)
+            return None
+        calm_of = getattr(self.client, "calm", None)
+        calm = calm_of() if calm_of is not None else None
+        if calm is None:
+            return None
+        until = scheduling.next_phase_step(self._schedule, self.step_count)
+        return _Quiet(calm, until, self._background.finished, tree)
+
+    def _quiet_call(self, params: Any, tokens: int) -> bool:
+        """A call inside the quiet window (`_quiet_from_here`): counted, and True; else False, and the
+        call goes the whole way. The loop's most frequent call, so it reads a few values and calls
+        nothing but the clock: after a step of a few milliseconds its code and data are out of the
+        caches, and each function it called cost it more than its work (docs/learner.md). A client
+        refused or stopped meanwhile is told at the window's end, within the report interval."""
+        q = self._quiet
+        if not (
+            self.step_count + 1 < q.until_step
+            and q.calm.inbox.deliveries == q.calm.deliveries
+            and self._background.finished == q.finished
+            and tokens >= 0
+            and not self.snapshots.wanted
+            and q.calm.clock() < q.calm.report_by
+        ):
+            return False
+        self.step_count += 1
+        self.calls += 1
+        self._uncounted_steps += 1
+        self._uncounted_tokens += tokens
+        if self.config.report_computed:
+            self._lead.note(self.step_count, q.tree.probe(params))  # looked at by the next report
         return True
 
     def _reported_step(self, tree: TreeFragments, params: Any) -> int:
@@ -819,7 +865,7 @@ class DilocoSync:
         of a learner that has left; a round opens while other learners train on."""
         if self._closed:
             return
-        self._closed = True
+        self._closed, self._quiet = True, None
         try:
             if self.client is not None:
                 if params is not None and self.joined:
@@ -875,6 +921,15 @@ class DilocoSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Quiet(NamedTuple):
+    """What the calls of a quiet window check (`DilocoSync._quiet_call`)."""
+
+    calm: Calm  # nothing arrived, and the report interval runs (net.client.ThreadedClient.calm)
+    until_step: int  # the first step of the schedule's phases after the window opened
+    finished: int  # the background thread's jobs ended when it opened
+    tree: TreeFragments  # the probe of each call's step (learner.lead)
 
 
 def _landed(flight: pushes.InFlight) -> bool:

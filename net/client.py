@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 
@@ -137,6 +138,16 @@ class Inbox:
     # Items delivered so far, held ones included: a training loop that finds it unchanged since its
     # last take has nothing to take, and skips the round trip to the network thread.
     deliveries: int = 0
+
+
+class Calm(NamedTuple):
+    """`ThreadedClient.calm`: while `inbox.deliveries == deliveries` and `clock() < report_by`, no
+    call of the hook that opens no round has anything to take or a report to hand over."""
+
+    inbox: Inbox
+    deliveries: int
+    clock: Callable[[], float]
+    report_by: float
 
 
 def check_progress(progress: session.ProgressInfo) -> None:
@@ -687,6 +698,24 @@ class ThreadedClient:
             and not self._opens_round(step)
             and self._clock() - self._forwarded_at < self._interval_s
         )
+
+    def calm(self) -> Calm | None:
+        """What keeps `holds_report` true after this call, where it holds now: nothing arrives (the
+        inbox's deliveries stay as of the last `take`) and the report interval does not end (the
+        clock stays below `report_by`). A hook that knows its rounds' steps itself skips asking at
+        each call until either changes (learner.sync's quiet calls). None where a report would go
+        out, a marker waits, or the client was refused or stopped."""
+        client = self._client
+        if (
+            self._taken is None
+            or client is None
+            or self._markers
+            or self._forwarded_versions is None
+            or self._stopped
+            or client.refused is not None
+        ):
+            return None
+        return Calm(client.inbox, self._taken[0], self._clock, self._forwarded_at + self._interval_s)
 
     def _opens_round(self, step: int) -> bool:
         return self._welcome is not None and self._welcome.opens_round(step, self._reported_step)

@@ -1,6 +1,8 @@
 """The hook's background thread (learner.background): the same bytes as the training thread would
 compute, and the training thread's own computation wherever the thread's inputs were not the hook's."""
 
+import time
+
 import numpy as np
 
 from ddiloco.core import codec
@@ -141,3 +143,41 @@ def test_a_push_sent_from_the_thread_moves_the_anchor_so_an_update_before_the_bo
     for accepted, version in ((False, 3), (True, 2)):
         _, made, prepared, old_anchor = run(accepted, version)
         assert prepared is None and np.array_equal(old_anchor.difference, expected - base)
+
+
+def test_finished_grows_once_a_job_has_its_result_and_never_before():
+    """learner.sync's quiet calls compare `finished` with the count they read: a job that ended since
+    (a push sent, a decode done) must show in it, and only once its result is there to take."""
+    import threading
+
+    rng = np.random.default_rng(2)
+    base, theta = (rng.standard_normal(1024).astype(np.float32) for _ in range(2))
+    release = threading.Event()
+
+    def gather(q, leaves):
+        assert release.wait(10)
+        return theta.copy()
+
+    bg = background.Background()
+    try:
+        assert bg.finished == 0
+        work = background.PushWork(
+            gather, pushes.Pushes(last={}), _flight(FragmentSync(version=3, base=base)), None, "int4", True, BLOCK
+        )
+        job = bg.encode(work)
+        assert not job.done() and bg.finished == 0  # at its work: nothing to take yet
+        release.set()
+        job.result()
+        deadline = time.monotonic() + 10
+        while bg.finished < 1:  # the count follows the result (a done callback)
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        update = session.UpdateInfo(0, 5, codec.parse(codec.encode(base, "fp32")))
+        bg.offer(update)
+        assert np.array_equal(bg.published(update, None), base)
+        while bg.finished < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert bg.finished == 2 and not bg.decoding([update])
+    finally:
+        bg.close()

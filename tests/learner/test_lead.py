@@ -99,6 +99,11 @@ def test_host_leaves_have_no_probe():
     params = {"a": np.ones(4, np.float32), "b": np.zeros(2, np.float32)}
     tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
     assert tree.probe(params) is None
+    # the type remembered from a device leaf (the probe's shortcut) passes nothing else through
+    device = {"a": jnp.ones(4), "b": jnp.zeros(2)}
+    tree = TreeFragments(device, build_layout(tensor_specs(device), 1))
+    assert tree.probe(device) is device["a"]
+    assert tree.probe(params) is None and tree.probe({"b": device["b"]}) is None
 
 
 def test_steps_noted_without_asking_are_asked_about_at_the_next_report():

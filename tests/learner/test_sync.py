@@ -199,6 +199,45 @@ def test_a_call_with_nothing_to_do_only_counts_and_its_counts_reach_the_next_rep
         s.stop()
 
 
+def test_a_quiet_call_asks_nothing_and_the_first_news_ends_the_quiet(threaded_syncer, monkeypatch):
+    """learner.sync._quiet_call: after a call that only counted, the calls before the schedule's next
+    phase step ask the client nothing (not even `take`), while nothing arrived and no background job
+    ended since; a call that finds an arrival, a job ended or a phase step goes the whole way."""
+    s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)  # phases 0 and 8 mod 16
+    try:
+        params, target = model(1), model(10)
+        sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0))
+        deadline = time.monotonic() + 120
+        while s.server.state.merges < 2 and time.monotonic() < deadline:
+            params = sync.step(inner_step(params, target), tokens=7)
+            time.sleep(0.003)
+        assert s.server.state.merges >= 2
+        tc = sync.client
+        took = []
+        take = tc.take
+        monkeypatch.setattr(tc, "take", lambda: (took.append(sync.calls), take())[1])
+        quiet, whole, news_taken = [], [], 0
+        for _ in range(96):
+            arrived = tc.client.inbox.deliveries != tc._taken[0]  # not taken yet
+            ended = sync._quiet is not None and sync._background.finished != sync._quiet.finished
+            params = sync.step(inner_step(params, target), tokens=7)
+            if took and took[-1] == sync.calls:
+                whole.append(sync.step_count)
+                news_taken += arrived
+            else:
+                quiet.append(sync.step_count)
+                assert not arrived and not ended, "a quiet call let news wait"
+            time.sleep(0.002)
+        assert len(quiet) >= 24, (len(quiet), len(whole))  # most calls between two phases
+        assert all(step % 8 != 0 for step in quiet)  # a phase step goes the whole way
+        assert news_taken >= 1  # versions arrived meanwhile, each taken at the first call after
+        assert all(t == 7 * n for t, n in zip(sync.tokens, sync.steps))
+        sync.close(params)
+        s.server.state.ledger.check()
+    finally:
+        s.stop()
+
+
 def _step_until_a_push_starts(sync, params, target, deadline):
     """Train until a call starts a push while every fragment's version is held; (params, fragment)."""
     while not (sync.pushes_in_flight and min(sync.versions) >= 0):

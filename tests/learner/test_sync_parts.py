@@ -93,6 +93,10 @@ def test_schedule_serves_a_shard_once_its_fragments_are_held():
     assert schedule.scheduled_at(sched, held, 2) == (0, 2) and schedule.scheduled_at(sched, held, 3) == (1, 3)
     assert schedule.scheduled_at(sched, (FragmentSync(),) + held[1:], 2) == ()
     assert schedule.scheduled_at(sched, (), 2) == ()
+    # the next step at a phase (some fragment due, a round opening): where a quiet call stops
+    sparse = schedule.schedule_of(session.WelcomeInfo(1, {}, "ab" * 32, (0, 0), 0, False, period=8, offsets=(2, 5)), 2)
+    assert [schedule.next_phase_step(sparse, s) for s in (0, 1, 2, 4, 5, 6, 9, 13)] == [2, 2, 5, 5, 10, 10, 10, 18]
+    assert schedule.next_phase_step(schedule.Schedule(period=4), 6) == 10  # no phase: a period on
 
 
 def test_a_learner_reports_to_a_sharded_syncer_once_it_holds_one_whole_shard():

@@ -203,3 +203,28 @@ def test_holds_report_says_whether_a_report_would_be_held_without_one_being_made
     every, _, _ = paced(0.0)
     every.progress(report(1))
     assert not every.holds_report(2)  # an interval of 0 forwards every report
+
+
+def test_calm_says_what_keeps_a_report_held_until_something_arrives_or_the_interval_ends(paced):
+    # learner.sync's quiet calls ask nothing of the client while what `calm` gave holds: the
+    # inbox's deliveries as of the last take, and the clock below the interval's end
+    tc, clock, queued = paced(0.2)
+    assert tc.calm() is None  # nothing taken yet
+    tc.take()
+    assert tc.calm() is None  # nothing forwarded yet: the first report goes out
+    clock.now = 10.0
+    tc.progress(report(1))
+    calm = tc.calm()
+    assert calm is not None and calm.report_by == pytest.approx(10.2) and calm.clock is clock
+    assert calm.inbox is tc.client.inbox and calm.deliveries == tc.client.inbox.deliveries
+    tc.client._deliver(session.ErrorInfo("stale", "x", False))  # anything arriving ends the calm
+    assert calm.inbox.deliveries != calm.deliveries
+    assert tc.calm().deliveries == calm.deliveries  # still as of the last take: it is not taken yet
+    tc.take()
+    assert tc.calm().deliveries == calm.deliveries + 1
+    tc._markers = [5]
+    assert tc.calm() is None  # a marker waits: the next call hands it out and reports
+    tc.take_markers()
+    assert tc.calm() is not None
+    tc._stopped = True
+    assert tc.calm() is None  # a stopped client is the next call's to tell
