@@ -510,7 +510,8 @@ class DilocoSync:
             self.tape.take(self.calls, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
         elif not (scheduled or updates or errors or welcomes != self.welcomes_seen) and self._counts_only(tree, params):
             return params
-        if welcomes != self.welcomes_seen:
+        applied_before, rejoined = self.merged_versions_applied, welcomes != self.welcomes_seen
+        if rejoined:
             assert welcome is not None, "a transport counted a welcome it did not hand over"
             self.welcomes_seen = welcomes
             self._rejoin(params, welcome)
@@ -539,12 +540,16 @@ class DilocoSync:
         if updates or self._deferred:
             params = self._apply_arrived(params, updates, sent)
             released = self._released(held)
-        report = progress_report(self._reported_step(tree, params), self.fragments)
-        if scheduling.serves_any(self._schedule, report.versions):
-            # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
-            # every fragment yet has weight 0 and reports once it does (which makes it live). To a
-            # sharded syncer, the report goes to each shard whose fragments it holds (net.sharded).
-            client.progress(report)
+        if self._report_held(applied_before, rejoined):
+            if self.config.report_computed:
+                self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
+        else:
+            report = progress_report(self._reported_step(tree, params), self.fragments)
+            if scheduling.serves_any(self._schedule, report.versions):
+                # Held versions on the wire are >= 0 (docs/protocol.md): a learner that does not hold
+                # every fragment yet has weight 0 and reports once it does (which makes it live). To a
+                # sharded syncer, the report goes to each shard whose fragments it holds (net.sharded).
+                client.progress(report)
         # Due, but held back behind a push whose version came back in this very call: pushed now,
         # from that version (the progress since the push), into the round that is open, rather than
         # a period later. Started after the report of that version: the background thread may send
@@ -590,6 +595,24 @@ class DilocoSync:
             self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
         self._quiet = self._quiet_from_here(tree)
         return True
+
+    def _report_held(self, applied_before: int, rejoined: bool) -> bool:
+        """Whether a call that did some work (booked a push the background thread sent, started one
+        that opens no round) builds no report either, as a call that only counts: no version was
+        applied and no welcome taken (the report's versions are those of the last one), and the
+        transport would hold it back (`holds_report`). Never where a tape is recorded, nor for a
+        learner that overwrites its progress with each version (`keep_progress` off): the tokens it
+        trained since its push are lost at the next version, and the syncer books them lost only from
+        a report that counted them (the one this call would make after a push lands)."""
+        holds = self._holds_report
+        return (
+            holds is not None
+            and self.config.keep_progress
+            and self.tape is None
+            and not rejoined
+            and self.merged_versions_applied == applied_before
+            and holds(self.step_count)
+        )
 
     def _quiet_from_here(self, tree: TreeFragments) -> _Quiet | None:
         """After a call that only counted: the window over which the calls to come only count too,

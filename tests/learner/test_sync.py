@@ -33,6 +33,30 @@ def model(seed):
     }
 
 
+def test_a_push_copies_no_cpu_leaf_to_the_host_it_is_in_already():
+    """learner.tree.TreeFragments.start_gather starts no copy of a CPU leaf: its host copy is its
+    own buffer (the premise, checked here against the JAX in use), and only a leaf on another
+    platform's devices has one started."""
+    from ddiloco.learner import tree as trees
+
+    params = {"w": jnp.arange(8.0, dtype=jnp.float32) * 2, "b": jnp.ones(4, jnp.bfloat16)}
+    tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
+    assert trees._in_host_memory(params["w"].sharding)
+    leaves = tree.start_gather(params, 0)
+    assert np.asarray(leaves[0]).ctypes.data == leaves[0].unsafe_buffer_pointer()  # no copy made
+    assert np.array_equal(tree.finish_gather(0, leaves)[:12], np.r_[np.ones(4), np.arange(8.0) * 2])
+
+    class Device:
+        def __init__(self, platform):
+            self.platform = platform
+
+    class Sharding:
+        def __init__(self, *platforms):
+            self.device_set = frozenset(Device(p) for p in platforms)
+
+    assert not trees._in_host_memory(Sharding("gpu")) and not trees._in_host_memory(Sharding("cpu", "tpu"))
+
+
 def test_tree_round_trip_and_layout_check():
     params = model(0)
     specs = tensor_specs(params)
@@ -231,6 +255,39 @@ def test_a_quiet_call_asks_nothing_and_the_first_news_ends_the_quiet(threaded_sy
         assert len(quiet) >= 24, (len(quiet), len(whole))  # most calls between two phases
         assert all(step % 8 != 0 for step in quiet)  # a phase step goes the whole way
         assert news_taken >= 1  # versions arrived meanwhile, each taken at the first call after
+        assert all(t == 7 * n for t, n in zip(sync.tokens, sync.steps))
+        sync.close(params)
+        s.server.state.ledger.check()
+    finally:
+        s.stop()
+
+
+def test_a_call_that_books_a_push_and_applies_nothing_hands_over_no_report(threaded_syncer, monkeypatch):
+    """learner.sync._report_held: a call that books a push the background thread sent, applies no
+    version and opens no round leaves the report to the next call that changes what it says."""
+    s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)  # phases 0 and 8 mod 16
+    try:
+        params, target = model(1), model(10)
+        sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0))
+        deadline = time.monotonic() + 120
+        while s.server.state.merges < 2 and time.monotonic() < deadline:
+            params = sync.step(inner_step(params, target), tokens=7)
+            time.sleep(0.003)
+        handed = []
+        forward = sync.client.progress
+        monkeypatch.setattr(sync.client, "progress", lambda item: (handed.append(sync.calls), forward(item))[1])
+        booked_only, reported = 0, 0
+        for _ in range(160):
+            flying, applied = set(sync.pushes_in_flight), sync.merged_versions_applied
+            params = sync.step(inner_step(params, target), tokens=7)
+            booked = flying - set(sync.pushes_in_flight)
+            if booked and sync.merged_versions_applied == applied and sync.step_count % 8 != 0:
+                booked_only += 1
+                reported += bool(handed) and handed[-1] == sync.calls
+            time.sleep(0.003)
+        assert booked_only >= 3, booked_only
+        assert reported == 0
+        assert len(handed) >= 10  # the rounds' openings and the versions applied still report
         assert all(t == 7 * n for t, n in zip(sync.tokens, sync.steps))
         sync.close(params)
         s.server.state.ledger.check()
