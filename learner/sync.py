@@ -496,6 +496,8 @@ class DilocoSync:
         if self._quiet is not None and self._quiet_call(params, tokens):
             return params
         self._quiet = None
+        # Read before anything this call looks at: a job that ends later ends the next quiet window.
+        finished = self._background.finished
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         self.join()
@@ -509,6 +511,7 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.take(self.calls, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
         elif not (scheduled or updates or errors or welcomes != self.welcomes_seen) and self._counts_only(tree, params):
+            self._quiet = self._quiet_from_here(tree, finished)
             return params
         applied_before, rejoined = self.merged_versions_applied, welcomes != self.welcomes_seen
         if rejoined:
@@ -569,6 +572,9 @@ class DilocoSync:
             if self.tape is not None:
                 self.tape.published(self.calls, self.step_count, snapshot)
             self.snapshots.publish(snapshot)
+        elif self._holds_report is not None and self.tape is None and self._holds_report(self.step_count):
+            # The calls after this one have nothing to do either, as after a call that only counted.
+            self._quiet = self._quiet_from_here(tree, finished)
         return params
 
     def _counts_only(self, tree: TreeFragments, params: Any) -> bool:
@@ -593,7 +599,6 @@ class DilocoSync:
             self._deferred = waiting
         if self.config.report_computed:
             self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
-        self._quiet = self._quiet_from_here(tree)
         return True
 
     def _report_held(self, applied_before: int, rejoined: bool) -> bool:
@@ -614,13 +619,15 @@ class DilocoSync:
             and holds(self.step_count)
         )
 
-    def _quiet_from_here(self, tree: TreeFragments) -> _Quiet | None:
-        """After a call that only counted: the window over which the calls to come only count too,
+    def _quiet_from_here(self, tree: TreeFragments, finished: int) -> _Quiet | None:
+        """After a call that only counted, or one that did its work and whose report the transport
+        would hold back now: the window over which the calls to come only count,
         without asking the transport or the background thread anything (`_quiet_call`). It lasts
         while no step of the schedule's phases comes (no fragment due, no round opening: a report
-        would go out), nothing arrives, no job of the background thread ends (a push it sent is to
-        be booked), no peer asks for a snapshot, and the report interval runs. None where versions
-        wait to be applied, or the transport cannot say (`calm`: a sharded or replayed one)."""
+        would go out), nothing arrives, no job of the background thread ends after `finished` was
+        read (at the call's start: a push it sent is to be booked), no peer asks for a snapshot, and
+        the report interval runs. None where versions wait to be applied, or the transport cannot
+        say (`calm`: a sharded or replayed one)."""
         if self._deferred:  # each call counts toward their wait's bound (arrivals.DEFER_CALLS_MAX)
             return None
         calm_of = getattr(self.client, "calm", None)
@@ -628,7 +635,7 @@ class DilocoSync:
         if calm is None:
             return None
         until = scheduling.next_phase_step(self._schedule, self.step_count)
-        return _Quiet(calm, until, self._background.finished, tree)
+        return _Quiet(calm, until, finished, tree)
 
     def _quiet_call(self, params: Any, tokens: int) -> bool:
         """A call inside the quiet window (`_quiet_from_here`): counted, and True; else False, and the
