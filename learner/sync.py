@@ -256,7 +256,11 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.welcome(1, welcome)
         self._layout = layout_from_description(welcome.layout)
-        self._holds_report = getattr(self.client, "holds_report", None)
+        # Calls that hand over no report (`_counts_only`, `_report_held`, quiet calls) only where the
+        # learner keeps its progress over a version: one that overwrites it loses the tokens trained
+        # since its push, and the syncer books them lost only from a report of the last step before
+        # the version (the client forwards the last report of the old versions before the new one).
+        self._holds_report = getattr(self.client, "holds_report", None) if self.config.keep_progress else None
         self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
         self._schedule = scheduling.schedule_of(welcome, self._layout.num_fragments)
@@ -605,14 +609,10 @@ class DilocoSync:
         """Whether a call that did some work (booked a push the background thread sent, started one
         that opens no round) builds no report either, as a call that only counts: no version was
         applied and no welcome taken (the report's versions are those of the last one), and the
-        transport would hold it back (`holds_report`). Never where a tape is recorded, nor for a
-        learner that overwrites its progress with each version (`keep_progress` off): the tokens it
-        trained since its push are lost at the next version, and the syncer books them lost only from
-        a report that counted them (the one this call would make after a push lands)."""
+        transport would hold it back (`holds_report`). Never where a tape is recorded."""
         holds = self._holds_report
         return (
             holds is not None
-            and self.config.keep_progress
             and self.tape is None
             and not rejoined
             and self.merged_versions_applied == applied_before

@@ -295,6 +295,33 @@ def test_a_call_that_books_a_push_and_applies_nothing_hands_over_no_report(threa
         s.stop()
 
 
+def test_a_learner_that_overwrites_its_progress_reports_at_every_call(threaded_syncer, monkeypatch):
+    """keep_progress off: the tokens trained after a push are lost with the next version, and the
+    syncer books them only from the report of the last step before it (the client forwards it ahead
+    of the new version's). So no call skips its report: none only counts, none is quiet."""
+    s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)
+    try:
+        params, target = model(1), model(10)
+        config = SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0, keep_progress=False)
+        sync = DilocoSync.connect(params, config)
+        deadline = time.monotonic() + 120
+        while s.server.state.merges < 2 and time.monotonic() < deadline:
+            params = sync.step(inner_step(params, target), tokens=7)
+            time.sleep(0.003)
+        handed = []
+        forward = sync.client.progress
+        monkeypatch.setattr(sync.client, "progress", lambda item: (handed.append(item.step), forward(item))[1])
+        calls = 0
+        for _ in range(48):
+            params = sync.step(inner_step(params, target), tokens=7)
+            calls += 1
+            time.sleep(0.003)
+        assert len(handed) == calls and sync._quiet is None
+        sync.close(params)
+    finally:
+        s.stop()
+
+
 def _step_until_a_push_starts(sync, params, target, deadline):
     """Train until a call starts a push while every fragment's version is held; (params, fragment)."""
     while not (sync.pushes_in_flight and min(sync.versions) >= 0):
