@@ -740,7 +740,12 @@ def _on_timer(state: SyncerState, ev: TimerFired, now: float, out: list[Effect])
 # ---- closing a round: merge, outer step, broadcast -------------------------------------------------------
 
 
-def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why: str) -> None:
+def _close_round(
+    state: SyncerState, p: int, now: float, out: list[Effect], why: str, quorum: int | None = None
+) -> None:
+    """Close fragment p's open round: merge its pushes if `quorum` of them (the config's unless
+    given) have weight, else keep them for the next round."""
+    quorum = state.config.quorum if quorum is None else quorum
     frag = state.fragments[p]
     rnd = frag.open
     frag.open = None
@@ -753,10 +758,10 @@ def _close_round(state: SyncerState, p: int, now: float, out: list[Effect], why:
             kept[m] = push
     positive = [_Discounted(c, frag.version - c.base_version) for c in kept.values() if c.weight > 0]
     missing = [m for m in rnd.asked if m not in rnd.pushes]
-    if len(positive) < state.config.quorum:
+    if len(positive) < quorum:
         # Nothing merged: the pushes are as good for the next round of the fragment as they were for this.
         frag.kept = kept | frag.kept
-        _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{state.config.quorum} ({why})", out)
+        _decide(state, now, p, rnd, "skipped", f"skipped: quorum {len(positive)}/{quorum} ({why})", out)
         return
     spec = state.layout.fragments[p]
     delta, info = merge_round(positive, spec, state.config.merge)
@@ -869,6 +874,23 @@ def _on_disconnect(state: SyncerState, ev: Disconnect, now: float, out: list[Eff
     for p, frag in enumerate(state.fragments):
         if frag.open is not None and frag.open.quorum_at is not None and _all_delivered(state, p):
             _close_round(state, p, now, out, why=f"learner {rec.id} left, every other asked learner delivered")
+    if not state.live():
+        _merge_what_waits(state, now, out)
+
+
+def _merge_what_waits(state: SyncerState, now: float, out: list[Effect]) -> None:
+    """No learner is live any more: the pushes that wait for a round (the last ones of learners that
+    left, `close(params)` pushing all they trained) are merged now, one round per fragment, whatever
+    the quorum. No one is left to push more or to move the global step to the next round, and the
+    training they hold would be missing from the model (and from a checkpoint written at the end of
+    a job), booked as neither merged nor lost. Learners that join later start from the result."""
+    for p, frag in enumerate(state.fragments):
+        if not state.owns(p) or frag.theta is None:
+            continue
+        if frag.open is None and frag.kept:
+            _open_round(state, p, state.global_step, now, out)  # the kept pushes join it, and may close it
+        if frag.open is not None and frag.open.pushes:
+            _close_round(state, p, now, out, why="every learner left", quorum=1)
 
 
 def _hand_over_init(state: SyncerState, out: list[Effect]) -> None:

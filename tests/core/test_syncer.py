@@ -537,6 +537,31 @@ def test_push_of_a_learner_gone_before_its_round_closed_is_booked_with_the_merge
     ledger.check()
 
 
+def test_when_every_learner_has_left_the_pushes_waiting_are_merged_whatever_the_quorum():
+    """core.syncer._merge_what_waits: the last pushes of learners that left (one into an open round
+    below its quorum, one kept for a round that no live learner will open) are merged once no learner
+    is live, and booked merged; while one is live they wait as before."""
+    h = Harness(quorum=2)
+    two_live(h)
+    fragment, rnd = open_round(h, 1)
+    other = 1 - fragment
+    h.push(1, fragment, rnd, tokens=300)  # into the open round: 1 of the 2 it needs
+    h.push(2, other, rnd, tokens=400)  # no round of it is open: kept for the next
+    versions = [f.version for f in h.state.fragments]
+    assert not h.of(Merged, h.send(Disconnect(1, "bye: done")))  # learner 2 is still live: they wait
+    assert [f.version for f in h.state.fragments] == versions
+    merged_before = h.state.ledger.totals["merged"]
+    merged = h.of(Merged, h.send(Disconnect(2, "bye: done")))
+    assert sorted((m.fragment, m.learners) for m in merged) == sorted([(fragment, (1,)), (other, (2,))])
+    assert [f.version for f in h.state.fragments] == [v + 1 for v in versions]
+    assert all(f.open is None and not f.kept for f in h.state.fragments)
+    ledger = h.state.ledger
+    assert ledger.totals["merged"] == merged_before + 300 + 400 and not ledger.held
+    ledger.check()
+    reasons = [d.reason for d in h.state.decisions if d.outcome == "merged"][-2:]
+    assert all("every learner left" in r for r in reasons), reasons
+
+
 def test_progress_overtaken_by_a_newer_one_is_ignored():
     h = Harness(quorum=1)
     two_live(h)
