@@ -183,20 +183,26 @@ def test_the_hook_waits_on_nothing_at_a_step_with_nothing_due_or_arrived(threade
         s.stop()
 
 
+def _joined_past_two_merges(s, **config):
+    """A learner of the syncer `s`, its reports at most every 5 s, trained until the syncer merged
+    twice: (its hook, its parameters, their target)."""
+    params, target = model(1), model(10)
+    sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0, **config))
+    deadline = time.monotonic() + 120
+    while s.server.state.merges < 2 and time.monotonic() < deadline:
+        params = sync.step(inner_step(params, target), tokens=7)
+        time.sleep(0.003)
+    assert s.server.state.merges >= 2
+    return sync, params, target
+
+
 def test_a_call_with_nothing_to_do_only_counts_and_its_counts_reach_the_next_report(threaded_syncer, monkeypatch):
     """learner.sync._counts_only: where the websocket client would hold the report back (no round
     opens, within its interval), a call with nothing due, taken or to book builds and hands over no
     report; the next report handed over counts every call since the one before."""
     s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)  # due at steps 0 and 8 mod 16
     try:
-        params, target = model(1), model(10)
-        sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0))
-        deadline = time.monotonic() + 120
-        while s.server.state.merges < 2 and time.monotonic() < deadline:
-            for _ in range(4):
-                params = sync.step(inner_step(params, target), tokens=7)
-            time.sleep(0.01)
-        assert s.server.state.merges >= 2
+        sync, params, target = _joined_past_two_merges(s)
         handed = []  # (calls so far, versions applied so far, the report)
         forward = sync.client.progress
         monkeypatch.setattr(
@@ -229,13 +235,7 @@ def test_a_quiet_call_asks_nothing_and_the_first_news_ends_the_quiet(threaded_sy
     ended since; a call that finds an arrival, a job ended or a phase step goes the whole way."""
     s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)  # phases 0 and 8 mod 16
     try:
-        params, target = model(1), model(10)
-        sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0))
-        deadline = time.monotonic() + 120
-        while s.server.state.merges < 2 and time.monotonic() < deadline:
-            params = sync.step(inner_step(params, target), tokens=7)
-            time.sleep(0.003)
-        assert s.server.state.merges >= 2
+        sync, params, target = _joined_past_two_merges(s)
         tc = sync.client
         took = []
         take = tc.take
@@ -267,12 +267,7 @@ def test_a_call_that_books_a_push_and_applies_nothing_hands_over_no_report(threa
     version and opens no round leaves the report to the next call that changes what it says."""
     s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)  # phases 0 and 8 mod 16
     try:
-        params, target = model(1), model(10)
-        sync = DilocoSync.connect(params, SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0))
-        deadline = time.monotonic() + 120
-        while s.server.state.merges < 2 and time.monotonic() < deadline:
-            params = sync.step(inner_step(params, target), tokens=7)
-            time.sleep(0.003)
+        sync, params, target = _joined_past_two_merges(s)
         handed = []
         forward = sync.client.progress
         monkeypatch.setattr(sync.client, "progress", lambda item: (handed.append(sync.calls), forward(item))[1])
@@ -301,13 +296,7 @@ def test_a_learner_that_overwrites_its_progress_reports_at_every_call(threaded_s
     of the new version's). So no call skips its report: none only counts, none is quiet."""
     s = threaded_syncer(num_fragments=2, period=16, quorum=1, token=TOKEN)
     try:
-        params, target = model(1), model(10)
-        config = SyncConfig(url=s.url, name="a", token=TOKEN, progress_interval_s=5.0, keep_progress=False)
-        sync = DilocoSync.connect(params, config)
-        deadline = time.monotonic() + 120
-        while s.server.state.merges < 2 and time.monotonic() < deadline:
-            params = sync.step(inner_step(params, target), tokens=7)
-            time.sleep(0.003)
+        sync, params, target = _joined_past_two_merges(s, keep_progress=False)
         handed = []
         forward = sync.client.progress
         monkeypatch.setattr(sync.client, "progress", lambda item: (handed.append(item.step), forward(item))[1])
