@@ -230,10 +230,15 @@ class SyncerClient:
         old_welcomes, old = queued
         return isinstance(old, session.ProgressInfo) and old_welcomes == welcomes and old.versions == progress.versions
 
-    def queue_push(self, push: Push, welcomes: int | None = None) -> bool:
+    def queue_push(self, push: Push, welcomes: int | None = None, *, admitted: bool = False) -> bool:
         """False when the push queue is full: the push is dropped, counted in `pushes_dropped` and
-        logged (the caller keeps its counters and tries next time)."""
-        if self.pushes_queued() >= self.config.pushes_queued_max:
+        logged (the caller keeps its counters and tries next time). `admitted`: the caller was told
+        already that the push is queued (ThreadedClient counts it against the limit on its own
+        thread), so it is queued whatever the queue holds by now. Dropped there, its progress was
+        lost: the hook had booked it as sent, and its next push starts after it (found with an init
+        message handed to this thread between the count and the push: the first push of a learner
+        that had just sent its initial fragments)."""
+        if not admitted and self.pushes_queued() >= self.config.pushes_queued_max:
             self.dropped(push)
             return False
         self._bulk.append((welcomes, push))
@@ -793,7 +798,7 @@ class ThreadedClient:
     def _hand_over(self, item: Push, welcomes: int) -> None:
         with self._handed_lock:
             self._handed -= 1
-        self._client.queue_push(item, welcomes)
+        self._client.queue_push(item, welcomes, admitted=True)
 
     def init(self, fragment: int, payload: bytes) -> None:
         self._check()

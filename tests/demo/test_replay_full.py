@@ -120,6 +120,13 @@ def _live(port, name, not_id=None):
     ]
 
 
+def _merged_of(port, learner_id):
+    """Tokens of the learner's pushes merged so far (on time or late)."""
+    (r,) = [r for r in _status(port)["learners"] if r["id"] == learner_id]
+    pushed = r.get("pushed_tokens", {})
+    return pushed.get("merged", 0) + pushed.get("merged_late", 0)
+
+
 def _step(port, learner_id):
     return next(r["step"] for r in _status(port)["learners"] if r["id"] == learner_id)
 
@@ -137,7 +144,9 @@ def recording(tmp_path_factory, jax_cache_dir):
         b = _learner(tmp_path, rec, port, "b.0", "1/2", 2, 10**6, jax_cache_dir)
         procs.append(b)
         first_b = _wait("live learner b", lambda: _live(port, "b"))[0]
-        _wait("three merges", lambda: _status(port)["merges"] >= 3)
+        # b is killed after a push of its was merged: the replay checks every learner's pushes, and on
+        # a loaded machine three merges could all be a's while b still compiled.
+        _wait("three merges, one with b's push", lambda: _status(port)["merges"] >= 3 and _merged_of(port, first_b))
         b.send_signal(signal.SIGKILL)
         b.wait(30)
         # b.1 copies a's step, which runs on while b.1 compiles: it trains until told to stop.
