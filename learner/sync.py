@@ -197,6 +197,7 @@ class DilocoSync:
         self._uncounted_steps = 0
         self._uncounted_tokens = 0
         self._holds_report: Callable[[int], bool] | None = None  # the transport's holds_report, if any
+        self._calm: Callable[[], Calm | None] | None = None  # and its calm, with it
         self._quiet: _Quiet | None = None  # where the calls to come only count, and until when (`_quiet_call`)
         self.calls = 0  # calls of `step`: the tape's clock
         self.step_count = 0  # the global step; a (re)joining learner continues the syncer's count
@@ -260,7 +261,10 @@ class DilocoSync:
         # learner keeps its progress over a version: one that overwrites it loses the tokens trained
         # since its push, and the syncer books them lost only from a report of the last step before
         # the version (the client forwards the last report of the old versions before the new one).
-        self._holds_report = getattr(self.client, "holds_report", None) if self.config.keep_progress else None
+        # Nor where a tape is recorded: a replay makes every call's report.
+        if self.config.keep_progress and self.tape is None:
+            self._holds_report = getattr(self.client, "holds_report", None)
+            self._calm = getattr(self.client, "calm", None)
         self.tree = TreeFragments(self._initial, self._layout, self.is_embedding)
         self.fragments = (FragmentSync(),) * self._layout.num_fragments
         self._schedule = scheduling.schedule_of(welcome, self._layout.num_fragments)
@@ -515,7 +519,7 @@ class DilocoSync:
         if self.tape is not None:
             self.tape.take(self.calls, updates, errors, welcomes, welcome, welcomes != self.welcomes_seen)
         elif not (scheduled or updates or errors or welcomes != self.welcomes_seen) and self._counts_only(tree, params):
-            self._quiet = self._quiet_from_here(tree, finished)
+            self._quiet = self._quiet_from_here(finished)
             return params
         applied_before, rejoined = self.merged_versions_applied, welcomes != self.welcomes_seen
         if rejoined:
@@ -548,8 +552,7 @@ class DilocoSync:
             params = self._apply_arrived(params, updates, sent)
             released = self._released(held)
         if self._report_held(applied_before, rejoined):
-            if self.config.report_computed:
-                self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
+            self._note_step(tree, params)
         else:
             report = progress_report(self._reported_step(tree, params), self.fragments)
             if scheduling.serves_any(self._schedule, report.versions):
@@ -576,9 +579,9 @@ class DilocoSync:
             if self.tape is not None:
                 self.tape.published(self.calls, self.step_count, snapshot)
             self.snapshots.publish(snapshot)
-        elif self._holds_report is not None and self.tape is None and self._holds_report(self.step_count):
+        elif self._holds_report is not None and self._holds_report(self.step_count):
             # The calls after this one have nothing to do either, as after a call that only counted.
-            self._quiet = self._quiet_from_here(tree, finished)
+            self._quiet = self._quiet_from_here(finished)
         return params
 
     def _counts_only(self, tree: TreeFragments, params: Any) -> bool:
@@ -601,25 +604,29 @@ class DilocoSync:
             if ready:
                 return False
             self._deferred = waiting
-        if self.config.report_computed:
-            self._lead.note(self.step_count, tree.probe(params))  # looked at by the next report
+        self._note_step(tree, params)
         return True
+
+    def _note_step(self, tree: TreeFragments, params: Any) -> None:
+        """A call that hands over no report notes its step's probe: the next report looks at it
+        (learner.lead). `_quiet_call` does the same inline."""
+        if self.config.report_computed:
+            self._lead.note(self.step_count, tree.probe(params))
 
     def _report_held(self, applied_before: int, rejoined: bool) -> bool:
         """Whether a call that did some work (booked a push the background thread sent, started one
         that opens no round) builds no report either, as a call that only counts: no version was
         applied and no welcome taken (the report's versions are those of the last one), and the
-        transport would hold it back (`holds_report`). Never where a tape is recorded."""
+        transport would hold it back (`holds_report`; None where a tape is recorded)."""
         holds = self._holds_report
         return (
             holds is not None
-            and self.tape is None
             and not rejoined
             and self.merged_versions_applied == applied_before
             and holds(self.step_count)
         )
 
-    def _quiet_from_here(self, tree: TreeFragments, finished: int) -> _Quiet | None:
+    def _quiet_from_here(self, finished: int) -> _Quiet | None:
         """After a call that only counted, or one that did its work and whose report the transport
         would hold back now: the window over which the calls to come only count,
         without asking the transport or the background thread anything (`_quiet_call`). It lasts
@@ -630,12 +637,10 @@ class DilocoSync:
         say (`calm`: a sharded or replayed one)."""
         if self._deferred:  # each call counts toward their wait's bound (arrivals.DEFER_CALLS_MAX)
             return None
-        calm_of = getattr(self.client, "calm", None)
-        calm = calm_of() if calm_of is not None else None
+        calm = self._calm() if self._calm is not None else None
         if calm is None:
             return None
-        until = scheduling.next_phase_step(self._schedule, self.step_count)
-        return _Quiet(calm, until, finished, tree)
+        return _Quiet(calm, scheduling.next_phase_step(self._schedule, self.step_count), finished)
 
     def _quiet_call(self, params: Any, tokens: int) -> bool:
         """A call inside the quiet window (`_quiet_from_here`): counted, and True; else False, and the
@@ -657,8 +662,8 @@ class DilocoSync:
         self.calls += 1
         self._uncounted_steps += 1
         self._uncounted_tokens += tokens
-        if self.config.report_computed:
-            self._lead.note(self.step_count, q.tree.probe(params))  # looked at by the next report
+        if self.config.report_computed:  # `_note_step`, inline
+            self._lead.note(self.step_count, self.tree.probe(params))
         return True
 
     def _reported_step(self, tree: TreeFragments, params: Any) -> int:
@@ -959,7 +964,6 @@ class _Quiet(NamedTuple):
     calm: Calm  # nothing arrived, and the report interval runs (net.client.ThreadedClient.calm)
     until_step: int  # the first step of the schedule's phases after the window opened
     finished: int  # the background thread's jobs ended when it opened
-    tree: TreeFragments  # the probe of each call's step (learner.lead)
 
 
 def _landed(flight: pushes.InFlight) -> bool:
