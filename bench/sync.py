@@ -1,10 +1,12 @@
 """`ddiloco bench sync`: one full DiLoCo outer sync of N parameters among M learners, against the same
 sync done with a torch.distributed gloo all-reduce.
 
-One sync, ddiloco's way: the syncer daemon runs in this process on loopback, its one fragment holding
-all N parameters (`--fragments 1`, period H = 1, quorum K = M: every round asks all M learners and
-merges once all have pushed). M learner processes (spawn) each hold the fragment as a host float32
-vector. Each learner reports the step and, the fragment being due at every step, at once (protocol 2:
+One sync, ddiloco's way: the syncer daemon runs in this process on loopback, by default with one
+fragment holding all N parameters (`--fragments 1`, period H = 1, quorum K = M: every round merges
+once all M learners have pushed). M learner processes (spawn) each hold each fragment as a host
+float32 vector. With `--fragments F` the model is cut into F fragments of whole tensors; a learner
+pushes them one after the other and the syncer merges each once its M pushes are in, so that the
+merge and broadcast of one fragment overlap the encode of the next (a sync is then F rounds). Each learner reports the step and, the fragment being due at every step, at once (protocol 2:
 nobody asks) encodes base - theta (`core.codec.encode_delta`, the push codec, on the calling thread as the hook's
 default `serial_kernels` does) and pushes it; the syncer merges the M pushes, takes the outer
 Nesterov step and broadcasts the new version (the delta onto the published copy, in its broadcast
@@ -26,11 +28,19 @@ What the hook adds around them is left out: gathering the fragment from a JAX py
 and scattering it back onto the devices (here the parameters already are one host vector).
 
 The breakdown of each sync cuts its time at points on the critical path, so the parts add up to it:
-encode (first push started to last push handed to the client), wire in (to the start of the merge:
-serialising, loopback, the syncer parsing the pushes), merge (the syncer's own time in the core
-step that merged: the merge kernels and the outer step, `merge_kernel_s` of its metrics), wire out
-(end of the merge to the last learner having the update: encoding the broadcast, loopback,
-reassembly) and apply (to the last learner holding it: the delta applied and copied). Bytes are the
+encode (first push started to last push handed to the client), wire in (to the start of the last
+merge: serialising, loopback, the syncer parsing the pushes), merge (the syncer's own time in the
+core step of that merge: the merge kernels and the outer step, `merge_kernel_last_s` of its
+metrics), wire out (end of that merge to the last learner having the last update: encoding the
+broadcast, loopback, reassembly) and apply (to the last learner holding every new version: the
+delta applied and copied). With one fragment, the merge is the sync's only one.
+
+CPU per sync: each learner's process time from its first push started to its last version held
+(every thread: the client's network thread too), and this process's (the syncer, its kernels'
+threads) from the go to the done meeting, summed over the processes; the gloo ranks' likewise over
+their timed part. Divided by the cores this process may run on, it is the least wall time the
+machine allows for that work: where the measured sync is close to it, the sync is bound by CPU, and
+only less work makes it faster. Bytes are the
 websocket payload bytes the syncer received and sent during the sync (pushes and progress reports
 in; the broadcast out, M copies), and their ratio, bytes out per byte in.
 
@@ -78,6 +88,7 @@ TOKEN = "bench-sync-token-0123456789abcdef"
 TENSOR_ELEMENTS = 1 << 20  # the model is cut into tensors of this size (the last one holds the rest)
 PARAMS_MAX = 1 << 31  # one fragment: its int32-indexed kernels stay below this
 LEARNERS_MAX = 64
+FRAGMENTS_MAX = 64  # the syncer's rounds per sync; each fragment holds whole tensors
 REPEAT_MAX = 1000
 WARMUP_MAX = 100
 PHASE_S_MAX = 600.0  # the longest a learner waits for an update or the barrier
@@ -105,6 +116,9 @@ class SyncBenchConfig:
     codec: str = "int4"  # what the learners push
     broadcast_codec: str = "int4"  # the codec of the deltas the syncer sends back (core.publish)
     merge: str = "mean"  # mean: what an all-reduce computes; rda: the syncer's default
+    # The model cut into this many fragments, pushed one after the other and merged each once its M
+    # pushes are in: the syncer's merge and broadcast of one overlap the learners' encode of the next.
+    fragments: int = 1
     repeat: int = 7  # timed syncs each way (the median is reported)
     warmup: int = 2  # syncs before the timed ones, each way
     torch: bool = True  # also time the gloo all-reduce, where torch is importable
@@ -117,6 +131,12 @@ class SyncBenchConfig:
             raise ValueError(f"learners must lie in [1, {LEARNERS_MAX}], got {self.learners}")
         if not 1 <= self.repeat <= REPEAT_MAX or not 0 <= self.warmup <= WARMUP_MAX:
             raise ValueError(f"repeat must lie in [1, {REPEAT_MAX}] and warmup in [0, {WARMUP_MAX}], got {self}")
+        tensors = len(sync_tensors(self.params))
+        if not 1 <= self.fragments <= min(FRAGMENTS_MAX, tensors):
+            raise ValueError(
+                f"fragments must lie in [1, {min(FRAGMENTS_MAX, tensors)}] "
+                f"({tensors} tensors of {TENSOR_ELEMENTS} values), got {self.fragments}"
+            )
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
         if self.merge not in ("mean", "rda"):
@@ -148,29 +168,36 @@ class _LearnerArgs:
     codec: str
     syncs: int
     seed: int
+    fragments: int
 
 
 class _Held:
-    """The published copy a bench learner holds of the one fragment, kept as learner.sync keeps it:
-    a delta onto exactly the version held, a whole copy as it is."""
+    """The published copy a bench learner holds of one fragment, kept as learner.sync keeps it: a
+    delta onto exactly the version held, a whole copy as it is."""
 
     def __init__(self) -> None:
         self.version, self.base, self.arrived = -1, None, 0.0
 
-    def follow(self, taken) -> None:
-        """Take the updates of one `take`; returns None (so it chains with `or` in `_wait_for`)."""
+    def follow(self, updates) -> None:
+        """Take the fragment's updates of one `take`, in order."""
         from ddiloco.core import publish
 
-        for u in taken[0].get(0, []):
+        for u in updates:
             if not u.whole and (self.base is None or u.base_version != self.version):
                 continue  # not onto the copy held: a whole copy follows
             self.arrived = time.monotonic()  # the update is here; what follows is the apply part
             if u.whole:
                 self.base = u.encoded.decode(parallel=False)
             else:
-                # In place: nothing else holds this copy (the parameters are an array of their own).
+                # In place: nothing else holds this copy (the parameters are arrays of their own).
                 publish.apply(self.base, u.encoded, parallel=False)
             self.version = u.version
+
+
+def _follow_all(held: list[_Held], taken) -> None:
+    """Each fragment's updates of one `take`; returns None (so it chains with `or` in `_wait_for`)."""
+    for q, updates in taken[0].items():
+        held[q].follow(updates)
 
 
 def _wait_for(what: str, ready, client) -> Any:
@@ -187,6 +214,19 @@ def _wait_for(what: str, ready, client) -> Any:
             return got
         time.sleep(POLL_S)
     raise SyncBenchError(f"no {what} within {PHASE_S_MAX:.0f} s")
+
+
+def _copy_newer(
+    held: list[_Held], params: list[np.ndarray], before: tuple[int, ...], done: set[int], taken
+) -> bool | None:
+    """Follow one `take`, and copy each fragment's version newer than `before` over its parameters,
+    once (`done`); True once every fragment's is, else None (for `_wait_for`)."""
+    _follow_all(held, taken)
+    for q, h in enumerate(held):
+        if q not in done and h.version > before[q]:
+            np.copyto(params[q], h.base)
+            done.add(q)
+    return len(done) == len(held) or None
 
 
 def _learner_main(args: _LearnerArgs, barrier, out) -> None:
@@ -211,43 +251,59 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
     publish.warm_up()
     client = ThreadedClient(
         ClientConfig(
-            url=args.url, name=args.name, tensors=sync_tensors(args.params), token=TOKEN, progress_interval_s=0
+            url=args.url,
+            name=args.name,
+            tensors=sync_tensors(args.params),
+            token=TOKEN,
+            progress_interval_s=0,
+            pushes_queued_max=args.fragments,  # a sync pushes every fragment at once
         )
     )
     try:
         welcome = client.wait_welcome(START_S_MAX)
         layout = layout_from_description(welcome.layout)
-        assert layout.num_fragments == 1, "the bench's syncer has one fragment"
-        size = layout.fragments[0].padded_size
+        fragments = range(layout.num_fragments)
         rng = np.random.default_rng(args.seed)
-        drift = (DRIFT * rng.standard_normal(size)).astype(np.float32)
-        held = _Held()
+        drifts = [(DRIFT * rng.standard_normal(f.padded_size)).astype(np.float32) for f in layout.fragments]
+        held = [_Held() for _ in fragments]
         if welcome.needs_init:
-            held.base = rng.standard_normal(size).astype(np.float32)
-            client.init(0, codec.encode(held.base, "fp32", parallel=False))
-            held.version = 0
+            for q, h in enumerate(held):
+                h.base = rng.standard_normal(layout.fragments[q].padded_size).astype(np.float32)
+                client.init(q, codec.encode(h.base, "fp32", parallel=False))
+                h.version = 0
         else:
-            _wait_for("the initial parameters", lambda t: held.follow(t) or held.version >= 0 or None, client)
-        base, version = held.base, held.version
-        params = base.copy()
-        client.progress(session.ProgressInfo(0, (version,), (0,), (0,)))  # live: the syncer counts it in
+            everything = lambda t: _follow_all(held, t) or all(h.version >= 0 for h in held) or None
+            _wait_for("the initial parameters", everything, client)
+        bases, versions = [h.base for h in held], [h.version for h in held]
+        params = [b.copy() for b in bases]
+        ones = (PUSH_STEPS,) * len(held)
+        # live: the syncer counts it in
+        client.progress(session.ProgressInfo(0, tuple(versions), (0,) * len(held), (0,) * len(held)))
         samples = []
         for step in range(1, args.syncs + 1):
             barrier.wait(PHASE_S_MAX)  # go: every learner is live, and the gloo ranks are idle
-            np.subtract(base, drift, out=params)  # the stand-in for training since the version held
-            client.progress(session.ProgressInfo(step, (version,), (PUSH_STEPS,), (PUSH_TOKENS,)))
-            t_start = time.monotonic()  # every step is due (H = 1): the learner pushes on its own (protocol 2)
-            payload, _ = codec.encode_delta(base, params, None, args.codec, layout.block, parallel=False)
-            push = Push(welcome.learner, 0, step, version, PUSH_STEPS, PUSH_TOKENS, codec.parse(payload))
-            client.push(push)
-            t_pushed = time.monotonic()
-            _wait_for(
-                "the merged version", lambda t, before=version: held.follow(t) or held.version > before or None, client
-            )
-            t_update = held.arrived
-            np.copyto(params, held.base)
-            base, version = held.base, held.version
-            t_applied = time.monotonic()
+            for q in fragments:  # the stand-in for training since the versions held
+                np.subtract(bases[q], drifts[q], out=params[q])
+            client.progress(session.ProgressInfo(step, tuple(versions), ones, (PUSH_TOKENS,) * len(held)))
+            # Every step is due (H = 1): the learner pushes each fragment on its own (protocol 2), in
+            # order, and the syncer merges each once all M pushes of it are in.
+            t_start, cpu_start = time.monotonic(), time.process_time()
+            push_bytes = 0
+            for q in fragments:
+                payload, _ = codec.encode_delta(bases[q], params[q], None, args.codec, layout.block, parallel=False)
+                push = Push(welcome.learner, q, step, versions[q], PUSH_STEPS, PUSH_TOKENS, codec.parse(payload))
+                if not client.push(push):
+                    raise SyncBenchError(f"the client refused the push of fragment {q} (its queue is full)")
+                push_bytes += len(payload)
+            t_pushed, cpu_encode_s = time.monotonic(), time.process_time() - cpu_start
+            # Each fragment's new version is copied over its parameters as it arrives, while the
+            # others are still on their way.
+            applied: set[int] = set()
+            newer = lambda t, done=applied, before=tuple(versions): _copy_newer(held, params, before, done, t)
+            _wait_for("the merged versions", newer, client)
+            t_update = max(h.arrived for h in held)
+            bases, versions = [h.base for h in held], [h.version for h in held]
+            t_applied, cpu_s = time.monotonic(), time.process_time() - cpu_start
             barrier.wait(PHASE_S_MAX)  # done: the parent reads the syncer's counters
             samples.append(
                 {
@@ -255,14 +311,19 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
                     "pushed": t_pushed,
                     "update": t_update,
                     "applied": t_applied,
-                    "push_bytes": len(payload),
+                    "push_bytes": push_bytes,
+                    "cpu_s": cpu_s,  # this process's, every thread's (the client's network thread too)
+                    "cpu_encode_s": cpu_encode_s,  # of it, to the last push handed over
                 }
             )
+        digest = hashlib.sha256()
+        for p in params:
+            digest.update(memoryview(p))
         return {
             "name": args.name,
             "learner": welcome.learner,
-            "version": version,
-            "params_sha256": hashlib.sha256(memoryview(params)).hexdigest(),
+            "versions": versions,
+            "params_sha256": digest.hexdigest(),
             "samples": samples,
         }
     finally:
@@ -285,7 +346,7 @@ def _run_both(config: SyncBenchConfig, with_gloo: bool) -> dict:
     use_uvloop()
     kernels.warmup()
     core_config = SyncerConfig(
-        num_fragments=1,
+        num_fragments=config.fragments,
         period=1,
         quorum=config.learners,
         merge=config.merge,
@@ -307,7 +368,9 @@ def _run_both(config: SyncBenchConfig, with_gloo: bool) -> dict:
             ctx.Process(
                 target=_learner_main,
                 args=(
-                    _LearnerArgs(url, f"sync{i}", config.params, config.codec, syncs, config.seed + i),
+                    _LearnerArgs(
+                        url, f"sync{i}", config.params, config.codec, syncs, config.seed + i, config.fragments
+                    ),
                     learner_barrier,
                     learner_out,
                 ),
@@ -331,17 +394,25 @@ def _run_both(config: SyncBenchConfig, with_gloo: bool) -> dict:
         syncer_samples = []
 
         async def ddiloco_sync() -> None:
-            before = _syncer_counters(server)
+            before = _syncer_counters(server, config.fragments)
+            cpu_start = time.process_time()  # this process: the syncer, its merge threads, the barrier's
             await meet(learner_barrier)  # go
-            await meet(learner_barrier)  # done: every learner holds the new version
-            # The syncer sent the update only after the core step that merged had completed
-            # (net.sessions posts what a step sends), so that step's counters are all written by now.
-            now = _syncer_counters(server)
-            if now["merges"] != before["merges"] + 1 or now["outcome"] != "merged":
-                raise SyncBenchError(f"expected one merge per sync, the syncer's counters went {before} -> {now}")
+            await meet(learner_barrier)  # done: every learner holds the new versions
+            # The syncer sent each update only after the core step that merged had completed
+            # (net.sessions posts what a step sends), so those steps' counters are all written by now.
+            now = _syncer_counters(server, config.fragments)
+            if now["merges"] != before["merges"] + config.fragments or now["outcomes"] != {"merged"}:
+                raise SyncBenchError(
+                    f"expected one merge of each of the {config.fragments} fragments per sync, "
+                    f"the syncer's counters went {before} -> {now}"
+                )
             syncer_samples.append(
                 {key: now[key] - before[key] for key in ("merge_s", "bytes_in", "bytes_out")}
-                | {"merge_started_at": now["decided_at"]}
+                | {
+                    "merge_started_at": now["decided_at"],
+                    "last_merge_s": now["last_merge_s"],
+                    "cpu_s": time.process_time() - cpu_start,
+                }
             )
 
         async def gloo_sync() -> None:
@@ -393,17 +464,20 @@ def _meet(barrier) -> None:
     barrier.wait(PHASE_S_MAX)
 
 
-def _syncer_counters(server) -> dict:
-    """The syncer's cumulative counters, and its last decision: its time is the `now` the core was
-    given for the push that completed the round, which is when the merge started."""
-    last = server.state.decisions[-1] if server.state.decisions else None
+def _syncer_counters(server, fragments: int) -> dict:
+    """The syncer's cumulative counters; the outcomes of its last `fragments` decisions; and of the
+    last one, its time (the `now` the core was given for the push that completed the round, which is
+    when its merge started) and how long that merge took."""
+    decisions = list(server.state.decisions)[-fragments:]
+    last = decisions[-1] if decisions else None
     return {
         "merges": server.metrics.merges,
         "merge_s": server.metrics.merge_kernel_s,
+        "last_merge_s": server.metrics.merge_kernel_last_s,
         "bytes_in": server.metrics.bytes_in,
         "bytes_out": server.metrics.bytes_out,
         "decided_at": last.at if last is not None else float("nan"),
-        "outcome": last.outcome if last is not None else None,
+        "outcomes": {d.outcome for d in decisions},
     }
 
 
@@ -426,13 +500,18 @@ def _sync_breakdowns(raw: dict, warmup: int) -> list[dict]:
         s = [r["samples"][k] for r in learners]
         start, pushed = min(x["start"] for x in s), max(x["pushed"] for x in s)
         got, held = max(x["update"] for x in s), max(x["applied"] for x in s)
-        merge_started, merge_s = syncer_samples[k]["merge_started_at"], syncer_samples[k]["merge_s"]
+        # The critical path ends with the last fragment merged: its merge, and the wire out after it.
+        merge_started, merge_s = syncer_samples[k]["merge_started_at"], syncer_samples[k]["last_merge_s"]
         rows.append(
             {
                 "total": held - start,
                 "encode": pushed - start,
                 "wire_in": merge_started - pushed,
                 "merge": merge_s,
+                "merges_s": syncer_samples[k]["merge_s"],
+                "cpu_learners": sum(x["cpu_s"] for x in s),
+                "cpu_encode": sum(x["cpu_encode_s"] for x in s),
+                "cpu_syncer": syncer_samples[k]["cpu_s"],
                 "wire_out": got - (merge_started + merge_s),
                 "apply": held - got,
                 "bytes_in": syncer_samples[k]["bytes_in"],
@@ -467,11 +546,11 @@ def _gloo_worker(rank: int, world: int, rendezvous: str, params: int, syncs: int
                 theta.grad = gradient.clone()  # this rank's outer gradient, made before the clock starts
                 barrier.wait(PHASE_S_MAX)  # go
                 dist.barrier()
-                started = time.monotonic()
+                started, cpu_start = time.monotonic(), time.process_time()
                 dist.all_reduce(theta.grad)
                 theta.grad.div_(world)
                 step.step()
-                times.append((started, time.monotonic()))
+                times.append((started, time.monotonic(), time.process_time() - cpu_start))
                 barrier.wait(PHASE_S_MAX)  # done
             digest = hashlib.sha256(theta.detach().numpy().tobytes()).hexdigest()
         finally:
@@ -486,7 +565,12 @@ def _gloo_summary(ranks: list[dict], warmup: int) -> dict:
     """Per timed sync: first rank leaving the barrier to last rank done."""
     syncs = len(ranks[0]["times"])
     totals = [max(r["times"][k][1] for r in ranks) - min(r["times"][k][0] for r in ranks) for k in range(warmup, syncs)]
-    return {"syncs_s": totals, "same_params": len({r["params_sha256"] for r in ranks}) == 1}
+    cpu = [sum(r["times"][k][2] for r in ranks) for k in range(warmup, syncs)]
+    return {
+        "syncs_s": totals,
+        "cpu_s": statistics.median(cpu),
+        "same_params": len({r["params_sha256"] for r in ranks}) == 1,
+    }
 
 
 # ---- both, and the report -----------------------------------------------------------------------------
@@ -516,7 +600,7 @@ def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
     gloo_median = statistics.median(gloo["syncs_s"]) if gloo else None
     learners = raw["learners"]
     return {
-        "settings": asdict(config) | {"fragments": 1, "tensors": len(sync_tensors(config.params))},
+        "settings": asdict(config) | {"tensors": len(sync_tensors(config.params))},
         "ddiloco_median_s": ddiloco_median,
         "ddiloco_syncs_s": totals,
         "gloo_median_s": gloo_median,
@@ -525,12 +609,22 @@ def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
         "gloo_skipped": gloo_skipped,
         "speedup_vs_gloo": gloo_median / ddiloco_median if gloo_median is not None else None,
         "breakdown_median_s": {phase: statistics.median(r[phase] for r in rows) for phase in PHASES},
+        "merges_median_s": statistics.median(r["merges_s"] for r in rows),
+        # CPU seconds per sync, every process's threads summed (medians): what the cores must carry
+        "cpu_s": {
+            "ddiloco_learners": statistics.median(r["cpu_learners"] for r in rows),
+            "ddiloco_learners_encode": statistics.median(r["cpu_encode"] for r in rows),
+            "ddiloco_syncer": statistics.median(r["cpu_syncer"] for r in rows),
+            "ddiloco": statistics.median(r["cpu_learners"] + r["cpu_syncer"] for r in rows),
+            "gloo": gloo["cpu_s"] if gloo else None,
+        },
+        "cores": len(os.sched_getaffinity(0)),
         "bytes_in_per_sync": statistics.median(r["bytes_in"] for r in rows),
         "bytes_out_per_sync": statistics.median(r["bytes_out"] for r in rows),
         "bytes_out_per_byte_in": statistics.median(r["bytes_out"] / max(r["bytes_in"], 1) for r in rows),
         "push_bytes": rows[0]["push_bytes"],
         "fp32_model_bytes": 4 * config.params,
-        "learner_versions": [r["version"] for r in learners],
+        "learner_versions": [r["versions"] for r in learners],
         "same_params": len({r["params_sha256"] for r in learners}) == 1,
         "rejected": raw["rejected"],
     }
@@ -544,13 +638,22 @@ def format_report(r: dict) -> str:
         (
             "sync",
             (
-                f"{c['params'] / 1e6:.1f}M parameters ({c['tensors']} tensors, 1 fragment), {c['learners']} learners, "
+                f"{c['params'] / 1e6:.1f}M parameters ({c['tensors']} tensors, {_fragments(c['fragments'])}), "
+                f"{c['learners']} learners, "
                 f"push {c['codec']}, broadcast {c['broadcast_codec']}, merge {c['merge']}; "
                 f"median of {c['repeat']} after {c['warmup']} warm-up"
             ),
         ),
-        ("ddiloco", f"{ms(r['ddiloco_median_s'])} (first push started to last learner holding the new version)"),
-        ("breakdown", ", ".join(f"{phase.replace('_', ' ')} {ms(b[phase])}" for phase in PHASES) + " (medians)"),
+        ("ddiloco", f"{ms(r['ddiloco_median_s'])} (first push started to last learner holding the new versions)"),
+        (
+            "breakdown",
+            ", ".join(f"{phase.replace('_', ' ')} {ms(b[phase])}" for phase in PHASES)
+            + " (medians"
+            + ("" if c["fragments"] == 1 else "; merge and wire out of the last fragment merged")
+            + ")",
+        ),
+        ("syncer", f"{ms(r['merges_median_s'])} in merges per sync ({_fragments(c['fragments'])})"),
+        ("CPU per sync", _cpu_row(r, ms)),
         (
             "bytes",
             (
@@ -561,7 +664,7 @@ def format_report(r: dict) -> str:
         ),
         (
             "learners",
-            f"versions {r['learner_versions']}, {'the same' if r['same_params'] else 'DIFFERENT'} parameters",
+            f"versions {_distinct(r['learner_versions'])}, {'the same' if r['same_params'] else 'DIFFERENT'} parameters",
         ),
     ]
     if r["gloo_median_s"] is None:
@@ -571,3 +674,26 @@ def format_report(r: dict) -> str:
         rows.append(("speedup_vs_gloo", f"{r['speedup_vs_gloo']:.2f}x (gloo median / ddiloco median)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _fragments(n: int) -> str:
+    return "1 fragment" if n == 1 else f"{n} fragments"
+
+
+def _distinct(versions: list[list[int]]) -> str:
+    """The learners' version vectors, each distinct one once (all learners alike: one)."""
+    return " / ".join(str(v) for v in dict.fromkeys(tuple(v) for v in versions))
+
+
+def _cpu_row(r: dict, ms) -> str:
+    """CPU time per sync, all processes' threads: with this machine's cores, the least wall time it
+    allows."""
+    cpu, cores = r["cpu_s"], r["cores"]
+    text = (
+        f"ddiloco {ms(cpu['ddiloco'])} (learners {ms(cpu['ddiloco_learners'])}, of it encode "
+        f"{ms(cpu['ddiloco_learners_encode'])}; syncer {ms(cpu['ddiloco_syncer'])}), "
+        f"at least {ms(cpu['ddiloco'] / cores)} on {cores} cores"
+    )
+    if cpu["gloo"] is not None:
+        text += f"; gloo {ms(cpu['gloo'])}"
+    return text

@@ -233,6 +233,14 @@ def _sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codec", default="int4", choices=["int4", "bf16", "fp32", "int2", "int1"], help="push codec")
     p.add_argument("--broadcast-codec", default="int4", choices=["int4", "bf16", "fp32"])
     p.add_argument("--merge", default="mean", choices=["mean", "rda"], help="mean: what an all-reduce computes")
+    p.add_argument(
+        "--fragments",
+        type=_positive_int,
+        default=1,
+        help="the model cut into this many fragments, pushed in turn and each merged once all its pushes are in, "
+        "so that the merge and broadcast of one overlap the encode of the next (default 1: one fragment, "
+        "every phase after the one before)",
+    )
     p.add_argument("--repeat", type=_positive_int, default=7, help="timed syncs each way, median kept (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="syncs before the timed ones, each way (default 2)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as a JSON object")
@@ -250,6 +258,7 @@ def _sync_run(args: argparse.Namespace) -> int:
             codec=args.codec,
             broadcast_codec=args.broadcast_codec,
             merge=args.merge,
+            fragments=args.fragments,
             repeat=args.repeat,
             warmup=args.warmup,
             torch=not args.no_torch,

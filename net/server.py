@@ -455,6 +455,7 @@ class SyncerServer:
 
     def _merge_cost(self, spent_s: float) -> tuple[float, float]:
         self.metrics.merge_kernel_s += spent_s
+        self.metrics.merge_kernel_last_s = spent_s
         estimate = self.shell.state.timing.sync_s
         if self._loading and estimate is not None:
             # The event began before the warm-up's first stage was done: its time may be mostly the

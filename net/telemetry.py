@@ -90,6 +90,7 @@ class Metrics:
     round_sum_s: float = 0.0
     round_samples_s: deque = field(default_factory=lambda: deque(maxlen=ROUND_SAMPLES_KEPT))
     merge_kernel_s: float = 0.0  # time spent in the core's merge path (kernels), summed
+    merge_kernel_last_s: float = 0.0  # the same, of the last event that merged
     checkpoints: int = 0
     checkpoint_failures: int = 0
     dropped_slow: int = 0

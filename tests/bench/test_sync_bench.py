@@ -26,12 +26,16 @@ KEYS = {
     "same_params",
     "rejected",
     "bytes_out_per_byte_in",
+    "merges_median_s",
+    "cpu_s",
+    "cores",
 }
 
 
-def _check_ddiloco_side(r: dict, learners: int, syncs: int) -> None:
+def _check_ddiloco_side(r: dict, learners: int, syncs: int, params: int = 100_000, fragments: int = 1) -> None:
     assert set(r) == KEYS
-    assert r["settings"]["params"] == 100_000 and r["settings"]["learners"] == learners
+    assert r["settings"]["params"] == params and r["settings"]["learners"] == learners
+    assert r["settings"]["fragments"] == fragments
     assert len(r["ddiloco_syncs_s"]) == r["settings"]["repeat"]
     assert r["ddiloco_median_s"] > 0
     assert set(r["breakdown_median_s"]) == set(PHASES)
@@ -43,11 +47,17 @@ def _check_ddiloco_side(r: dict, learners: int, syncs: int) -> None:
     # bytes out as in, never a whole fp32 copy per learner
     assert learners * r["push_bytes"] <= r["bytes_out_per_sync"] < learners * r["fp32_model_bytes"] / 4
     assert r["bytes_out_per_byte_in"] == pytest.approx(r["bytes_out_per_sync"] / r["bytes_in_per_sync"], rel=0.5)
-    # the initial version 0, then one version per sync, the same values at every learner
-    assert r["learner_versions"] == [syncs] * learners
+    # the initial version 0, then one version of each fragment per sync, the same values at every learner
+    assert r["learner_versions"] == [[syncs] * fragments] * learners
     assert r["same_params"] is True
     assert r["rejected"] == {}
-    assert "ddiloco" in format_report(r)
+    # the critical path's merge is the last fragment's; the syncer's time in merges covers them all
+    assert r["merges_median_s"] >= r["breakdown_median_s"]["merge"] > 0
+    cpu = r["cpu_s"]  # every process's threads, per sync: the learners encoded and applied, the syncer merged
+    assert cpu["ddiloco_learners"] > 0 and cpu["ddiloco_syncer"] > 0 and cpu["ddiloco"] > 0
+    assert r["cores"] >= 1
+    report = format_report(r)
+    assert "ddiloco" in report and "CPU per sync" in report
 
 
 def test_small_sync_writes_every_key_and_the_gloo_side_where_torch_is(tmp_path):
@@ -60,6 +70,7 @@ def test_small_sync_writes_every_key_and_the_gloo_side_where_torch_is(tmp_path):
         assert len(r["gloo_syncs_s"]) == 2 and r["gloo_median_s"] > 0
         assert r["gloo_same_params"] is True  # every rank took the same step
         assert r["speedup_vs_gloo"] == pytest.approx(r["gloo_median_s"] / r["ddiloco_median_s"])
+        assert r["cpu_s"]["gloo"] > 0
     else:
         assert r["gloo_skipped"].startswith("torch is not installed")
         assert r["gloo_median_s"] is None and r["gloo_syncs_s"] is None and r["speedup_vs_gloo"] is None
@@ -73,8 +84,19 @@ def test_no_torch_leaves_the_gloo_keys_null(tmp_path, capsys):
     assert r["gloo_skipped"] == "--no-torch"
     assert r["gloo_median_s"] is None and r["gloo_syncs_s"] is None and r["speedup_vs_gloo"] is None
     assert r["settings"]["codec"] == "bf16" and r["settings"]["merge"] == "rda"
-    assert r["learner_versions"] == [1, 1, 1] and r["same_params"] is True
+    assert r["learner_versions"] == [[1]] * 3 and r["same_params"] is True
+    assert r["cpu_s"]["gloo"] is None
     assert "not run: --no-torch" in capsys.readouterr().out
+
+
+def test_fragments_are_pushed_in_turn_and_each_merged_once_per_sync(tmp_path):
+    # three tensors, three fragments: a sync is three rounds, each merged once both learners pushed
+    path, params = tmp_path / "sync.json", 2 * (1 << 20) + 1000
+    argv = ["bench", "sync", "--params", str(params), "--learners", "2", "--fragments", "3", "--repeat", "2"]
+    assert main(argv + ["--warmup", "1", "--no-torch", "--json", str(path)]) == 0
+    r = json.loads(path.read_text())
+    _check_ddiloco_side(r, learners=2, syncs=1 + 2, params=params, fragments=3)
+    assert "3 fragments" in format_report(r)
 
 
 def test_the_model_is_cut_into_tensors_that_hold_every_parameter():
@@ -85,7 +107,16 @@ def test_the_model_is_cut_into_tensors_that_hold_every_parameter():
 
 @pytest.mark.parametrize(
     "bad",
-    [{"params": 10}, {"learners": 0}, {"repeat": 0}, {"warmup": -1}, {"codec": "int3"}, {"merge": "median"}],
+    [
+        {"params": 10},
+        {"learners": 0},
+        {"repeat": 0},
+        {"warmup": -1},
+        {"codec": "int3"},
+        {"merge": "median"},
+        {"fragments": 0},
+        {"params": 100_000, "fragments": 2},  # one tensor: one fragment at most
+    ],
 )
 def test_config_refuses_nonsense(bad):
     with pytest.raises(ValueError):
