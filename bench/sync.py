@@ -71,6 +71,7 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.bench import wire
 from ddiloco.core.layout import TensorSpec
 from ddiloco.errors import FaultError
 
@@ -101,6 +102,8 @@ GLOO_LR = 0.7  # the outer step's learning rate on both sides (core.outer.OuterC
 GLOO_MOMENTUM = 0.9
 PHASES = ("encode", "wire_in", "merge", "wire_out", "apply")
 CODECS = ("int4", "bf16", "fp32", "int2", "int1")
+WIRE_MESSAGE_BYTES = 4 << 20  # the wire measurement's messages: the size of a fragment's int4 push
+WIRE_BYTES_MIN = 64 << 20  # and its bytes, at least (a small sync's bytes time nothing)
 
 
 class SyncBenchError(FaultError, RuntimeError):
@@ -594,6 +597,11 @@ def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
     rows = _sync_breakdowns(raw, config.warmup)
     if len(rows) != config.repeat:
         raise SyncBenchError(f"{len(rows)} timed syncs measured on the syncer, {config.repeat} expected")
+    wire_bytes = statistics.median(r["bytes_in"] + r["bytes_out"] for r in rows)
+    say(
+        f"the wire's CPU: {max(wire_bytes, WIRE_BYTES_MIN) / 2**20:.0f} MiB over a loopback websocket, then a bare socket"
+    )
+    wire_cost = wire.wire_cost(max(int(wire_bytes), WIRE_BYTES_MIN), WIRE_MESSAGE_BYTES)
     totals = [r["total"] for r in rows]
     ddiloco_median = statistics.median(totals)
     gloo = raw["gloo"]
@@ -619,6 +627,9 @@ def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
             "gloo": gloo["cpu_s"] if gloo else None,
         },
         "cores": len(os.sched_getaffinity(0)),
+        # the same bytes as a sync's in + out, over each transport alone (bench.wire): CPU seconds
+        "wire": wire_cost,
+        "wire_cpu_s_per_sync": {t: c["cpu_ns_per_byte"] * wire_bytes / 1e9 for t, c in wire_cost.items()},
         "bytes_in_per_sync": statistics.median(r["bytes_in"] for r in rows),
         "bytes_out_per_sync": statistics.median(r["bytes_out"] for r in rows),
         "bytes_out_per_byte_in": statistics.median(r["bytes_out"] / max(r["bytes_in"], 1) for r in rows),
@@ -654,6 +665,7 @@ def format_report(r: dict) -> str:
         ),
         ("syncer", f"{ms(r['merges_median_s'])} in merges per sync ({_fragments(c['fragments'])})"),
         ("CPU per sync", _cpu_row(r, ms)),
+        ("wire", _wire_row(r, ms)),
         (
             "bytes",
             (
@@ -697,3 +709,13 @@ def _cpu_row(r: dict, ms) -> str:
     if cpu["gloo"] is not None:
         text += f"; gloo {ms(cpu['gloo'])}"
     return text
+
+
+def _wire_row(r: dict, ms) -> str:
+    """The CPU the sync's bytes cost on each transport alone (bench.wire)."""
+    w, per_sync = r["wire"], r["wire_cpu_s_per_sync"]
+    return ", ".join(
+        f"{name} {w[t]['cpu_ns_per_byte']:.2f} ns of CPU per byte at {w[t]['gbps']:.2f} GB/s "
+        f"({ms(per_sync[t])} for a sync's in + out)"
+        for t, name in (("websocket", "loopback websocket"), ("tcp", "bare socket"))
+    )

@@ -29,6 +29,8 @@ KEYS = {
     "merges_median_s",
     "cpu_s",
     "cores",
+    "wire",
+    "wire_cpu_s_per_sync",
 }
 
 
@@ -56,6 +58,10 @@ def _check_ddiloco_side(r: dict, learners: int, syncs: int, params: int = 100_00
     cpu = r["cpu_s"]  # every process's threads, per sync: the learners encoded and applied, the syncer merged
     assert cpu["ddiloco_learners"] > 0 and cpu["ddiloco_syncer"] > 0 and cpu["ddiloco"] > 0
     assert r["cores"] >= 1
+    # the sync's bytes, moved again over each transport alone
+    for transport in ("websocket", "tcp"):
+        assert r["wire"][transport]["cpu_ns_per_byte"] > 0 and r["wire"][transport]["gbps"] > 0
+        assert r["wire_cpu_s_per_sync"][transport] > 0
     report = format_report(r)
     assert "ddiloco" in report and "CPU per sync" in report
 
