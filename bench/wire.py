@@ -39,7 +39,7 @@ def _ws_receiver(total: int, ports, out) -> None:
 
     async def main() -> None:
         done = asyncio.Event()
-        got = [0, 0.0]
+        got = [0, 0.0, None, 0.0]  # bytes, CPU, first arrival, last
 
         async def handler(request: web.Request) -> web.WebSocketResponse:
             ws = web.WebSocketResponse(max_msg_size=0)
@@ -48,6 +48,7 @@ def _ws_receiver(total: int, ports, out) -> None:
             async for msg in ws:
                 if msg.type is WSMsgType.BINARY:
                     got[0] += len(msg.data)
+                    got[2], got[3] = got[2] or time.monotonic(), time.monotonic()
                     if got[0] >= total:
                         break
             got[1] = time.process_time() - cpu
@@ -63,7 +64,7 @@ def _ws_receiver(total: int, ports, out) -> None:
         ports.put(site._server.sockets[0].getsockname()[1])
         await asyncio.wait_for(done.wait(), WIRE_S_MAX)
         await runner.cleanup()
-        out.put(("receiver", got[0], got[1]))
+        out.put(("receiver", got[0], got[1], got[3] - (got[2] or got[3])))
 
     asyncio.run(main())
 
@@ -82,7 +83,7 @@ def _ws_sender(total: int, message: int, port: int, out) -> None:
             while sent < total:
                 await ws.send_bytes(data)
                 sent += message
-            out.put(("sender", sent, time.process_time() - cpu))
+            out.put(("sender", sent, time.process_time() - cpu, 0.0))
             await ws.receive(timeout=WIRE_S_MAX)  # the server's close, once it has every byte
 
     asyncio.run(main())
@@ -95,14 +96,15 @@ def _tcp_receiver(total: int, ports, out) -> None:
         conn, _ = server.accept()
         with conn:
             conn.settimeout(WIRE_S_MAX)
-            view, got = memoryview(bytearray(1 << 22)), 0
+            view, got, first = memoryview(bytearray(1 << 22)), 0, None
             cpu = time.process_time()
             while got < total:
                 n = conn.recv_into(view)
                 if not n:
                     break
                 got += n
-            out.put(("receiver", got, time.process_time() - cpu))
+                first = first or time.monotonic()
+            out.put(("receiver", got, time.process_time() - cpu, time.monotonic() - (first or time.monotonic())))
 
 
 def _tcp_sender(total: int, message: int, port: int, out) -> None:
@@ -112,7 +114,7 @@ def _tcp_sender(total: int, message: int, port: int, out) -> None:
         while sent < total:
             conn.sendall(data)
             sent += message
-        out.put(("sender", sent, time.process_time() - cpu))
+        out.put(("sender", sent, time.process_time() - cpu, 0.0))
 
 
 def _one(transport: str, total: int, message: int) -> dict:
@@ -124,12 +126,11 @@ def _one(transport: str, total: int, message: int) -> dict:
     procs = [recv]
     try:
         port = ports.get(timeout=WIRE_S_MAX)
-        started = time.monotonic()
         send = ctx.Process(target=sender, args=(total, message, port, out), daemon=True)
         send.start()
         procs.append(send)
-        sides = dict((name, (n, cpu)) for name, n, cpu in (out.get(timeout=WIRE_S_MAX) for _ in range(2)))
-        wall = time.monotonic() - started
+        # name -> (bytes, CPU seconds, the receiver's first arrival to its last)
+        sides = {name: rest for name, *rest in (out.get(timeout=WIRE_S_MAX) for _ in range(2))}
     except Exception as exc:  # noqa: BLE001 - queue.Empty or a side that died: said as one fault
         raise WireBenchError(f"the {transport} measurement did not finish: {type(exc).__name__} {exc}") from exc
     finally:
@@ -141,7 +142,7 @@ def _one(transport: str, total: int, message: int) -> dict:
         raise WireBenchError(f"the {transport} receiver got {sides['receiver'][0]} of {total} bytes")
     cpu = sides["sender"][1] + sides["receiver"][1]
     return {
-        "gbps": total / wall / 1e9,
+        "gbps": total / sides["receiver"][2] / 1e9 if sides["receiver"][2] > 0 else 0.0,
         "cpu_s": cpu,
         "sender_cpu_s": sides["sender"][1],
         "receiver_cpu_s": sides["receiver"][1],
