@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ddiloco.bench import wire
 from ddiloco.core.layout import TensorSpec
 
 TOKEN = "bench-token-0123456789abcdef"
@@ -184,13 +185,7 @@ def wire_ceiling(processes: int, frame_bytes: int, seconds: float) -> float:
                     received[2] = now
             return ws
 
-        app = web.Application()
-        app.router.add_get("/ws", ws_handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await wire.serve_websocket(ws_handler)
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         procs = [

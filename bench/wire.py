@@ -18,7 +18,7 @@ import time
 
 from ddiloco.errors import FaultError
 
-__all__ = ["WIRE_S_MAX", "WireBenchError", "wire_cost"]
+__all__ = ["WIRE_S_MAX", "WireBenchError", "serve_websocket", "wire_cost"]
 
 WIRE_S_MAX = 120.0  # the longest either side of one transport may take
 TRANSPORTS = ("websocket", "tcp")
@@ -28,6 +28,20 @@ class WireBenchError(FaultError, RuntimeError):
     """A side of the wire measurement did not finish."""
 
     what_to_do = "run it again; on a loaded machine, with fewer bytes"
+
+
+async def serve_websocket(handler) -> tuple[object, int]:
+    """A bare aiohttp server of `handler` at /ws on 127.0.0.1, on a free port: (its runner, the
+    port). The caller cleans the runner up."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/ws", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
 
 
 def _ws_receiver(total: int, ports, out) -> None:
@@ -55,13 +69,8 @@ def _ws_receiver(total: int, ports, out) -> None:
             done.set()
             return ws
 
-        app = web.Application()
-        app.router.add_get("/ws", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        ports.put(site._server.sockets[0].getsockname()[1])
+        runner, port = await serve_websocket(handler)
+        ports.put(port)
         await asyncio.wait_for(done.wait(), WIRE_S_MAX)
         await runner.cleanup()
         out.put(("receiver", got[0], got[1], got[3] - (got[2] or got[3])))
