@@ -97,19 +97,25 @@ def reach(
 ) -> Reached:
     """The updates of a fragment that arrived, in order: each delta onto the published copy of
     exactly its base version (else ignored: a whole copy follows, docs/protocol.md "Delta
-    broadcast"), a whole copy as it is. `prefetched` hands over what was computed beforehand."""
+    broadcast"), a whole copy as it is. `prefetched` hands over what was computed beforehand.
+
+    A version held without the syncer's published copy (adopted from a peer or a snapshot) gets it
+    from a whole copy of that version, or from a whole copy of an older one followed along the
+    deltas up to it (`FragmentSync.trail`): the syncer sends a joining learner its versions whole
+    and the deltas after them, while the peer it recovers from may already hold a newer version.
+    Without that, the deltas onto the version held were ignored until the syncer sent it whole
+    again (core.syncer.WHOLE_RESEND_STUCK_S), and the pushes made meanwhile were refused as stale."""
     version, published = frag.version, frag.published
     for update in chain:
+        if published is None and update.version <= version and frag.version == version:
+            frag = _follow_trail(frag, update, parallel)
+            published = frag.published
+            continue
         if update.whole:
-            if update.version < version or (update.version == version and published is not None):
+            if update.version <= version:
                 continue
             ready = prefetched(update, None)
             published = ready if ready is not None else apply_update(None, update, parallel)
-            if update.version == version:
-                # The version held came from a peer or a snapshot: its base stays (this learner's
-                # outer gradient holds its own progress only); the published copy is the syncer's.
-                frag = frag._replace(published=published)
-                continue
         else:
             if published is None or update.base_version != version:
                 continue
@@ -117,6 +123,22 @@ def reach(
             published = ready if ready is not None else apply_update(published, update, parallel)
         version = update.version
     return Reached(frag, version, published)
+
+
+def _follow_trail(frag: FragmentSync, update: session.UpdateInfo, parallel: bool) -> FragmentSync:
+    """`frag` (no published copy of its version) after `update` of a version not newer than the one
+    it holds: a whole copy starts the trail, a delta onto the trail's version moves it on, and the
+    trail that reaches the version held is its published copy (its base stays: this learner's outer
+    gradient holds its own progress only). Anything else is not on the way: ignored."""
+    if update.whole:
+        trail = (update.version, apply_update(None, update, parallel))
+    elif frag.trail is not None and update.base_version == frag.trail[0]:
+        trail = (update.version, apply_update(frag.trail[1], update, parallel))
+    else:
+        return frag
+    if trail[0] == frag.version:
+        return frag._replace(published=trail[1], trail=None)
+    return frag._replace(trail=trail)
 
 
 class Kept(NamedTuple):

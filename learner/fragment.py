@@ -30,16 +30,23 @@ class FragmentSync(NamedTuple):
     published: np.ndarray | None = None
     # Of `tokens`, those trained under the version before and carried over its merge (learner.arrivals).
     carried: int = 0
+    # While `published` is None: the syncer's published copy of an older version than `version`, and
+    # that version (a whole copy sent when this learner joined, before its peer's newer version was
+    # adopted), followed along the deltas until it reaches `version` and becomes `published`
+    # (learner.arrivals.reach). Never changed in place.
+    trail: tuple[int, np.ndarray] | None = None
 
     def counted(self, tokens: int, steps: int = 1) -> FragmentSync:
         """`steps` more inner steps (one by default), of `tokens` tokens in all."""
         # Built field by field, not by _replace: _replace's keyword handling cost more than the rest.
-        v, base, done, toks, feedback, published, carried = self
-        return FragmentSync(v, base, done + steps, toks + tokens, feedback, published, carried)
+        v, base, done, toks, feedback, published, carried, trail = self
+        return FragmentSync(v, base, done + steps, toks + tokens, feedback, published, carried, trail)
 
     def received(self, version: int, values: np.ndarray, published: np.ndarray | None = None) -> FragmentSync:
         """A version arrived and was applied: it is the new base, and the counters start again."""
-        return self._replace(version=version, base=values, steps=0, tokens=0, published=published, carried=0)
+        return self._replace(
+            version=version, base=values, steps=0, tokens=0, published=published, carried=0, trail=None
+        )
 
 
 def replaced(fragments: tuple[FragmentSync, ...], q: int, frag: FragmentSync) -> tuple[FragmentSync, ...]:

@@ -728,7 +728,10 @@ class DilocoSync:
         )
         if version == frag.version:
             self._background.taken(chain)
+            had_published = self.fragments[q].published is not None
             self.fragments = replaced(self.fragments, q, frag)
+            if frag.published is not None and not had_published:
+                self._tell_background(q)  # the version held has the syncer's published copy now
             return params
         assert published is not None  # a newer version is reached only with its published copy
         tree = self._joined()[1]

@@ -2,8 +2,9 @@
 behind a push and the chain of updates (learner.arrivals), the schedule (learner.schedule)."""
 
 import numpy as np
+import pytest
 
-from ddiloco.core import codec
+from ddiloco.core import codec, publish
 from ddiloco.learner import arrivals, pushes, schedule
 from ddiloco.learner.fragment import FragmentSync
 from ddiloco.net import session
@@ -84,6 +85,54 @@ def test_reach_applies_deltas_onto_exactly_the_version_held():
     new = arrivals.received(FragmentSync(4, whole, 3, 30), 5, reached.published, kept)
     assert (new.version, new.steps, new.tokens, new.carried) == (5, 3, 30, 30)
     assert arrivals.kept_progress(FragmentSync(4, whole, 3, 30), None, keep_progress=True, alpha=0.5) is None
+
+
+def _published_versions(n: int, versions: int, seed: int = 0):
+    """The syncer's side of the broadcast (core.publish), as it keeps it: version 0's published copy,
+    then each version's int4 delta onto the one before; -> (each version's published copy, the
+    delta updates 1..versions-1)."""
+    rng = np.random.default_rng(seed)
+    published = rng.standard_normal(n).astype(np.float32)
+    copies, deltas = [published.copy()], []
+    for v in range(1, versions):
+        theta = (copies[-1] + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        body, block = publish.publish(published, theta, codec.Codec.INT4, 128, parallel=False)
+        encoded = publish.Delta(codec.Codec.INT4, block, v - 1, body).encoded(n)
+        deltas.append(session.UpdateInfo(0, v, encoded, base_version=v - 1))
+        copies.append(published.copy())
+    return copies, deltas
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_a_version_adopted_from_a_peer_gets_the_published_copy_from_an_older_whole_one_and_its_deltas(calls):
+    # The syncer sent this learner version 1 whole when it joined, then deltas 2, 3 and 4; the peer
+    # it recovered from held version 3 already. Version 3's published copy is followed up from the
+    # whole version 1, and the delta onto it applies: the learner holds version 4, the syncer's bits.
+    copies, deltas = _published_versions(1024, 5)
+    whole = session.UpdateInfo(0, 1, codec.parse(codec.encode(copies[1], "fp32")))
+    peer_values = copies[3] + np.float32(0.5)  # the peer's parameters: its own progress on top
+    frag = FragmentSync(3, peer_values)
+    chain = [whole, deltas[1], deltas[2], deltas[3]]  # versions 1 (whole), 2, 3, 4
+    cuts = np.array_split(np.arange(len(chain)), calls)  # the same chain taken over several calls
+    for cut in cuts:  # only the last call reaches a newer version: the state carries over between calls
+        reached = arrivals.reach(frag, [chain[i] for i in cut], parallel=False)
+        frag = reached.frag
+    assert reached.version == 4
+    assert reached.published.tobytes() == copies[4].tobytes()
+    assert reached.frag.base is peer_values  # the outer gradient still starts from what was adopted
+
+
+def test_a_trail_that_misses_a_delta_waits_for_a_whole_copy():
+    copies, deltas = _published_versions(256, 4)
+    whole = session.UpdateInfo(0, 1, codec.parse(codec.encode(copies[1], "fp32")))
+    frag = FragmentSync(3, copies[3].copy())
+    reached = arrivals.reach(frag, [whole, deltas[2]], parallel=False)  # delta 2 went astray
+    assert reached.version == 3 and reached.published is None and reached.frag.trail[0] == 1
+    # the syncer's whole copy of the version held ends the wait, and the trail with it
+    again = arrivals.reach(
+        reached.frag, [session.UpdateInfo(0, 3, codec.parse(codec.encode(copies[3], "fp32")))], False
+    )
+    assert again.version == 3 and again.frag.published.tobytes() == copies[3].tobytes() and again.frag.trail is None
 
 
 def test_schedule_serves_a_shard_once_its_fragments_are_held():
