@@ -6,9 +6,10 @@ fragment holding all N parameters (`--fragments 1`, period H = 1, quorum K = M: 
 once all M learners have pushed). M learner processes (spawn) each hold each fragment as a host
 float32 vector. With `--fragments F` the model is cut into F fragments of whole tensors; a learner
 pushes them one after the other and the syncer merges each once its M pushes are in, so that the
-merge and broadcast of one fragment overlap the encode of the next (a sync is then F rounds). Each learner reports the step and, the fragment being due at every step, at once (protocol 2:
-nobody asks) encodes base - theta (`core.codec.encode_delta`, the push codec, on the calling thread as the hook's
-default `serial_kernels` does) and pushes it; the syncer merges the M pushes, takes the outer
+merge and broadcast of one fragment overlap the encode of the next (a sync is then F rounds). Each
+learner reports the step and, every fragment being due at every step, at once (protocol 2: nobody
+asks) encodes base - theta (`core.codec.encode_delta`, the push codec, on the calling thread as the
+hook's default `serial_kernels` does) and pushes it; the syncer merges the M pushes, takes the outer
 Nesterov step and broadcasts the new version (the delta onto the published copy, in its broadcast
 codec: docs/protocol.md "Delta broadcast"); each learner applies it onto the published copy it holds
 and copies that over its parameters. Timed per sync: from the first learner starting its push to the last
@@ -40,8 +41,9 @@ CPU per sync: each learner's process time from its first push started to its las
 threads) from the go to the done meeting, summed over the processes; the gloo ranks' likewise over
 their timed part. Divided by the cores this process may run on, it is the least wall time the
 machine allows for that work: where the measured sync is close to it, the sync is bound by CPU, and
-only less work makes it faster. Bytes are the
-websocket payload bytes the syncer received and sent during the sync (pushes and progress reports
+only less work makes it faster.
+
+Bytes are the websocket payload bytes the syncer received and sent during the sync (pushes and progress reports
 in; the broadcast out, M copies), and their ratio, bytes out per byte in.
 
 The comparison, in the same run where torch is importable: M processes in a gloo process group on

@@ -107,7 +107,7 @@ def reach(
     again (core.syncer.WHOLE_RESEND_STUCK_S), and the pushes made meanwhile were refused as stale."""
     version, published = frag.version, frag.published
     for update in chain:
-        if published is None and update.version <= version and frag.version == version:
+        if published is None and update.version <= version:
             frag = _follow_trail(frag, update, parallel)
             published = frag.published
             continue
