@@ -127,6 +127,7 @@ class SyncBenchConfig:
     repeat: int = 7  # timed syncs each way (the median is reported)
     warmup: int = 2  # syncs before the timed ones, each way
     torch: bool = True  # also time the gloo all-reduce, where torch is importable
+    lane: bool = True  # pushes' and updates' bytes on the lane (net.lane); False: all on the websockets
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -174,6 +175,7 @@ class _LearnerArgs:
     syncs: int
     seed: int
     fragments: int
+    lane: bool
 
 
 class _Held:
@@ -262,6 +264,7 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             token=TOKEN,
             progress_interval_s=0,
             pushes_queued_max=args.fragments,  # a sync pushes every fragment at once
+            lane=args.lane,
         )
     )
     try:
@@ -330,6 +333,7 @@ def _learner_syncs(args: _LearnerArgs, barrier) -> dict:
             "versions": versions,
             "params_sha256": digest.hexdigest(),
             "samples": samples,
+            "lane": client.client.lanes_attached > 0,
         }
     finally:
         client.close()
@@ -366,7 +370,8 @@ def _run_both(config: SyncBenchConfig, with_gloo: bool) -> dict:
     gloo_barrier, gloo_out = ctx.Barrier(config.learners + 1), ctx.Queue()
 
     async def main(rendezvous: str) -> dict:
-        server = SyncerServer(syncer.new_state(core_config), ServerConfig(port=0, auth_token=TOKEN))
+        server_config = ServerConfig(port=0, auth_token=TOKEN, lane_port=0 if config.lane else None)
+        server = SyncerServer(syncer.new_state(core_config), server_config)
         port = await server.start()
         url = f"ws://127.0.0.1:{port}/ws"
         procs = [
@@ -374,7 +379,14 @@ def _run_both(config: SyncBenchConfig, with_gloo: bool) -> dict:
                 target=_learner_main,
                 args=(
                     _LearnerArgs(
-                        url, f"sync{i}", config.params, config.codec, syncs, config.seed + i, config.fragments
+                        url,
+                        f"sync{i}",
+                        config.params,
+                        config.codec,
+                        syncs,
+                        config.seed + i,
+                        config.fragments,
+                        config.lane,
                     ),
                     learner_barrier,
                     learner_out,
@@ -638,6 +650,7 @@ def run_sync_bench(config: SyncBenchConfig, progress=None) -> dict:
         "push_bytes": rows[0]["push_bytes"],
         "fp32_model_bytes": 4 * config.params,
         "learner_versions": [r["versions"] for r in learners],
+        "learners_on_a_lane": sum(r["lane"] for r in learners),
         "same_params": len({r["params_sha256"] for r in learners}) == 1,
         "rejected": raw["rejected"],
     }
@@ -653,7 +666,8 @@ def format_report(r: dict) -> str:
             (
                 f"{c['params'] / 1e6:.1f}M parameters ({c['tensors']} tensors, {_fragments(c['fragments'])}), "
                 f"{c['learners']} learners, "
-                f"push {c['codec']}, broadcast {c['broadcast_codec']}, merge {c['merge']}; "
+                f"push {c['codec']}, broadcast {c['broadcast_codec']}, merge {c['merge']}, "
+                f"{r['learners_on_a_lane']} on a lane; "
                 f"median of {c['repeat']} after {c['warmup']} warm-up"
             ),
         ),

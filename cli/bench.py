@@ -245,6 +245,9 @@ def _sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="syncs before the timed ones, each way (default 2)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the result as a JSON object")
     p.add_argument("--no-torch", action="store_true", help="skip the gloo comparison even if torch is installed")
+    p.add_argument(
+        "--no-lane", action="store_true", help="every byte over the websockets, none over the syncer's lane (net.lane)"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -262,6 +265,7 @@ def _sync_run(args: argparse.Namespace) -> int:
             repeat=args.repeat,
             warmup=args.warmup,
             torch=not args.no_torch,
+            lane=not args.no_lane,
             seed=args.seed,
         )
     print(f"bench sync: {config}", file=sys.stderr)

@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="with a wss:// syncer: trust only the CA certificate(s) in this PEM file (default: the system's)",
     )
+    p.add_argument(
+        "--no-lane",
+        action="store_true",
+        help="send and receive every byte over the websocket, never over the syncer's lane",
+    )
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--shard", default="0/1", help="I/N: this learner's share of the training data")
     p.add_argument("--name", help="learner name in the syncer's status (default: learner-I)")
@@ -166,6 +171,7 @@ def _learner_config(args: argparse.Namespace, **only_some: object) -> LearnerCon
             # The syncer is where a shared token file is refused; a learner reading one only warns.
             token=read_token_file(args.token_file, allow_shared=True) if args.token_file else None,
             ca_file=args.tls_ca,
+            lane=not args.no_lane,
             model=model.ModelConfig(experts=4 if args.model == "moe" else 0),
             train=model.TrainConfig(total_steps=max(args.schedule_steps or args.steps, 21)),
             batch=args.batch,

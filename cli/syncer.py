@@ -46,6 +46,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("host", str, "address to listen on", default="127.0.0.1"),
     Setting("port", int, "port (0 picks a free one)", default=8470, bounds=(0, 65535)),
+    Setting(
+        "lane-port",
+        int,
+        "port of the lane, the plain TCP connection beside each websocket that carries pushes' and updates'"
+        " bytes (0 picks a free one; learners ask GET /lane)",
+        default=0,
+        bounds=(0, 65535),
+    ),
+    Setting("no-lane", bool, "no lane: every byte goes over the websockets (off anyway with TLS)", default=False),
     Setting("auth-token-file", Path, "file holding the shared bearer token (mode 0600)", metavar="FILE"),
     Setting(
         "allow-shared-token", bool, "accept a token file that group or others may read (with a warning)", default=False
@@ -291,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
         server_config = server.ServerConfig(
             host=v["host"],
             port=v["port"],
+            lane_port=None if v["no_lane"] else v["lane_port"],
             auth_token=token,
             checkpoint_dir=v["checkpoint_dir"] or v["resume"],
             snapshot_dir=v["snapshot_dir"],

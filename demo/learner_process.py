@@ -38,6 +38,7 @@ class LearnerConfig:
     shard: data.Shard
     token: str | None = None
     ca_file: Path | None = None  # wss://: trust only this CA (net.tls)
+    lane: bool = True  # offer the syncer a lane for the bulk bytes (net.lane)
     model: reference.ModelConfig = field(default_factory=reference.ModelConfig)
     train: reference.TrainConfig = field(default_factory=reference.TrainConfig)
     batch: int = 16
@@ -122,7 +123,15 @@ def run_learner(cfg: LearnerConfig, replay: Any = None) -> dict:
     writer = LearnerTapeWriter.create(cfg.record, config_json(cfg)) if cfg.record is not None else None
     sync = DilocoSync.connect(
         params,
-        SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, ca_file=cfg.ca_file, codec=cfg.codec, peer=cfg.peer),
+        SyncConfig(
+            url=cfg.syncer,
+            name=cfg.name,
+            token=cfg.token,
+            ca_file=cfg.ca_file,
+            lane=cfg.lane,
+            codec=cfg.codec,
+            peer=cfg.peer,
+        ),
         tape=writer,
         **(replay.sync_arguments() if replay is not None else {}),
     )

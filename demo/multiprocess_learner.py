@@ -80,7 +80,9 @@ def run_multiprocess_learner(cfg: LearnerConfig, setup: ProcessSetup) -> dict:
     log.info("process %d: compiled in %.1f s", setup.process_id, time.monotonic() - started)
     rng = np.random.default_rng([cfg.seed, setup.process_id])
     stream = data.batches(cfg.shard.slice(data.train_bytes()), local_batch, cfg.model.seq, rng)
-    config = SyncConfig(url=cfg.syncer, name=cfg.name, token=cfg.token, ca_file=cfg.ca_file, codec=cfg.codec)
+    config = SyncConfig(
+        url=cfg.syncer, name=cfg.name, token=cfg.token, ca_file=cfg.ca_file, lane=cfg.lane, codec=cfg.codec
+    )
     sync = MultiProcessSync(params, config)
     log_fh = open(cfg.log_file, "a", buffering=1) if cfg.log_file and sync.is_leader else None
     steps, ce, ce_array, t0 = 0, float("nan"), None, time.monotonic()

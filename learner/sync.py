@@ -99,6 +99,7 @@ class SyncConfig:
     name: str
     token: str | None = None
     ca_file: Path | None = None  # wss://: the CA certificate(s) the syncer's certificate must chain to (net.tls)
+    lane: bool = True  # offer the syncer a lane: pushes and updates on a plain TCP connection (net.lane)
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
     # With alpha 0, keep what this learner trained since its last push over an arriving version
@@ -993,6 +994,7 @@ def syncer_transport(config: SyncConfig, tensors: tuple[TensorSpec, ...], peer_u
             tensors=tensors,
             token=config.token,
             ca_file=config.ca_file,
+            lane=config.lane,
             peer_url=peer_url,
             progress_interval_s=config.progress_interval_s,
         )

@@ -251,8 +251,8 @@ def config_json(cfg: Any) -> dict:
     """A learner config as JSON for the header, without its secret (the token)."""
     d = asdict(cfg)
     d.pop("token", None)
-    for key in ("log_file", "cache_dir", "record", "ca_file"):
-        d.pop(key, None)  # where files go is not part of the trajectory
+    for key in ("log_file", "cache_dir", "record", "ca_file", "lane"):
+        d.pop(key, None)  # where files go, and how bytes travel, are not part of the trajectory
     if isinstance(d.get("peer"), dict):
         d["peer"].pop("token", None)
     return d

@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import aiohttp
+from yarl import URL
 
 from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
 from ddiloco.core.vclock import VClock, VClockError
 from ddiloco.errors import FaultError, UserError
-from ddiloco.net import session, tls, wire
+from ddiloco.net import lane, session, tls, wire
+from ddiloco.net.lane import LaneLimits
 from ddiloco.net.messages import SYNCER_KINDS
 
 log = logging.getLogger("ddiloco.client")
@@ -104,6 +106,10 @@ class ClientConfig:
     # out before the goodbye, for at most this long; then the connection closes whatever is left.
     close_drain_s: float = 2.0
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
+    # Offer a lane (net.lane: bulk frames' data on a plain TCP connection beside the websocket) to a
+    # syncer that has one; never over wss://, the lane not being encrypted.
+    lane: bool = True
+    lane_limits: LaneLimits = field(default_factory=LaneLimits)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
@@ -193,6 +199,8 @@ class SyncerClient:
         self.on_update: Callable[[session.UpdateInfo], None] | None = None
         self._behind: int | None = None  # a fragment whose update chain overflowed (UpdatesBehind)
         self.bytes_out = 0
+        self._lane: asyncio.Task | None = None  # this connection's lane: being opened, or a Lane or None
+        self.lanes_attached = 0  # connections that had a lane (tests, the bench)
         self.pushes_dropped = 0  # pushes refused for a full queue (the next push of the fragment carries their tokens)
         # This learner's vector clock (docs/replay.md): ticked before every message sent, merged with
         # the clock of every message received. Kept across reconnects: it is the process's clock.
@@ -352,6 +360,9 @@ class SyncerClient:
 
     async def _serve_once(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        token = lane.new_token() if self.config.lane and self.config.url.startswith("ws://") else None
+        if token is not None:
+            headers[lane.LANE_HEADER] = token
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             try:
@@ -377,43 +388,95 @@ class SyncerClient:
                         f"the certificate of the syncer at {self.config.url} is not trusted by {trust}: {exc}"
                     ) from exc
                 raise
-            async with ws:
-                self.inbox.connects += 1
-                self.connected.set()
-                hello = session.hello_frames(
-                    self.config.name,
-                    self.config.tensors,
-                    next(self._ids),
-                    self.config.wire,
-                    self._tick(),
-                    self.config.peer_url,
-                )
-                for frame in hello:
-                    await ws.send_bytes(frame)
-                # The protocol: nothing after the hello until the welcome (the syncer has no learner
-                # id for this connection before then). The reader sets `welcomed`.
-                self.welcomed.clear()
-                writer = asyncio.create_task(self._write_loop(ws, self.inbox.welcomes))
-                # A writer that fails (a bug: a message that does not encode) must not leave a
-                # connection that reads but never sends: close it, and the failure surfaces below.
-                writer.add_done_callback(
-                    lambda t: t.cancelled() or t.exception() is None or asyncio.ensure_future(ws.close())
-                )
+            if token is not None:
+                self._lane = asyncio.create_task(self._open_lane(http, headers, token))
+            try:
+                await self._serve_connected(ws)
+            finally:
+                await self._close_lane()
+
+    async def _serve_connected(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        async with ws:
+            self.inbox.connects += 1
+            self.connected.set()
+            hello = session.hello_frames(
+                self.config.name,
+                self.config.tensors,
+                next(self._ids),
+                self.config.wire,
+                self._tick(),
+                self.config.peer_url,
+            )
+            for frame in hello:
+                await ws.send_bytes(frame)
+            # The protocol: nothing after the hello until the welcome (the syncer has no learner
+            # id for this connection before then). The reader sets `welcomed`.
+            self.welcomed.clear()
+            writer = asyncio.create_task(self._write_loop(ws, self.inbox.welcomes))
+            # A writer that fails (a bug: a message that does not encode) must not leave a
+            # connection that reads but never sends: close it, and the failure surfaces below.
+            writer.add_done_callback(
+                lambda t: t.cancelled() or t.exception() is None or asyncio.ensure_future(ws.close())
+            )
+            try:
+                await self._read_loop(ws)
+            finally:
+                writer.cancel()
                 try:
-                    await self._read_loop(ws)
-                finally:
-                    writer.cancel()
-                    try:
-                        await writer
-                    except (asyncio.CancelledError, ConnectionError, aiohttp.ClientError):
-                        pass
+                    await writer
+                except (asyncio.CancelledError, ConnectionError, aiohttp.ClientError):
+                    pass
+
+    async def _open_lane(self, http: aiohttp.ClientSession, headers: dict, token: str) -> lane.Lane | None:
+        """This connection's lane, or None where the syncer has none or it cannot be had (the
+        websocket then carries everything; said once, at info)."""
+        url = URL(self.config.url)
+        try:
+            # Connection: close, else the session would keep an idle HTTP connection to the daemon
+            ask = headers | {"Connection": "close"}
+            async with http.get(url.with_scheme("http").with_path("/lane"), headers=ask) as answer:
+                if answer.status == 404:
+                    return None
+                answer.raise_for_status()
+                port = int((await answer.json())["port"])
+            opened = await asyncio.to_thread(lane.open_lane, url.host, port, token, self.config.lane_limits)
+        except (aiohttp.ClientError, lane.LaneError, ValueError, KeyError, TypeError) as exc:
+            log.info("no lane, everything on the websocket: %s", exc)
+            return None
+        self.lanes_attached += 1
+        return opened
+
+    def _lane_now(self) -> lane.Lane | None:
+        """The lane, when it is open already (the writer never waits for one)."""
+        task = self._lane
+        return task.result() if task is not None and task.done() and not task.cancelled() else None
+
+    async def _lane_for(self, frame: bytes) -> lane.Lane | None:
+        """The lane a received frame needs: a header alone is a lane frame, which the syncer sends
+        once the lane is attached, possibly before this side has read the lane's answer."""
+        if len(frame) == wire.HEADER_BYTES and self._lane is not None:
+            return await asyncio.shield(self._lane)
+        return self._lane_now()
+
+    async def _close_lane(self) -> None:
+        task, self._lane = self._lane, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        try:
+            opened = await task
+        except asyncio.CancelledError:
+            return
+        if opened is not None:
+            opened.close()
 
     async def _read_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         reassembler = wire.Reassembler(self.config.wire, accepted=SYNCER_KINDS)
         async for msg in ws:  # until the connection closes: on close, after the writer's goodbye
             if msg.type is not aiohttp.WSMsgType.BINARY:
                 continue
-            message = self._decode(reassembler, msg.data)
+            message = await self._decode(reassembler, msg.data)
             if message is not None:
                 self._merge_clock(getattr(message, "clock", None))
                 try:
@@ -431,11 +494,11 @@ class SyncerClient:
             return
         raise ConnectionError(f"closed by syncer (code {ws.close_code})")
 
-    def _decode(self, reassembler: wire.Reassembler, frame: bytes) -> object:
+    async def _decode(self, reassembler: wire.Reassembler, frame: bytes) -> object:
         """A frame's message, if it completes one. A syncer whose frames carry a protocol version
         this client does not decode is another release of the protocol: refused, not retried."""
         try:
-            return reassembler.feed(frame)
+            return (await lane.receive_frame(reassembler, frame, await self._lane_for(frame)))[0]
         except wire.WireError as exc:
             if exc.code == wire.ErrorCode.PROTOCOL_VERSION:
                 raise SyncerRefused(f"syncer at {self.config.url} speaks another protocol version: {exc.text}") from exc
@@ -560,10 +623,10 @@ class SyncerClient:
         """Send one frame; while closing, only within what is left of the drain time (a frame cut
         short then does not matter: the connection closes right after)."""
         if not self._closing:
-            await ws.send_bytes(frame)
+            await lane.send_frame(ws, self._lane_now(), frame)
         else:
             try:
-                await asyncio.wait_for(ws.send_bytes(frame), self._drain_left())
+                await asyncio.wait_for(lane.send_frame(ws, self._lane_now(), frame), self._drain_left())
             except TimeoutError:
                 self._drain_until = 0.0  # nothing more goes out
                 return

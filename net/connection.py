@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ddiloco.errors import FaultError
+from ddiloco.net.lane import Lane, send_frame
 
 
 class SlowPeerError(FaultError, RuntimeError):
@@ -56,7 +57,9 @@ class Connection:
     bytes_out: int = 0
     frames_out: int = 0
     closed: bool = False
-    sent: Callable[[int], None] | None = None  # told the size of every frame written (the server's totals)
+    # told the size of every frame written, and how much of it went on the lane (the server's totals)
+    sent: Callable[[int, int], None] | None = None
+    lane: Lane | None = None  # the bulk frames' data goes there once the learner has opened it (net.lane)
 
     def send_control(self, frames: Sequence[bytes]) -> None:
         if len(self.control) + len(frames) > self.limits.control_frames_queued_max:
@@ -109,7 +112,9 @@ class Connection:
                     continue
                 self.in_send = True
                 try:
-                    await asyncio.wait_for(self.ws.send_bytes(frame), self.limits.send_stall_s_max)
+                    on_lane = await asyncio.wait_for(
+                        send_frame(self.ws, self.lane, frame), self.limits.send_stall_s_max
+                    )
                 except TimeoutError:
                     raise SlowPeerError(f"a frame could not be sent for {self.limits.send_stall_s_max} s") from None
                 finally:
@@ -117,4 +122,4 @@ class Connection:
                 self.bytes_out += len(frame)
                 self.frames_out += 1
                 if self.sent is not None:
-                    self.sent(len(frame))
+                    self.sent(len(frame), on_lane)

@@ -1,4 +1,5 @@
-"""The daemon's HTTP endpoints: health, metrics, status, the operator's page, checkpoint and snapshot requests.
+"""The daemon's HTTP endpoints: health, metrics, status, the operator's page, checkpoint and snapshot
+requests, and where the lane listens.
 
 `/healthz` answers JSON: `status` (ok, degraded or failing; net.health says when), the `reasons`,
 the core loop's and the checkpoints' facts; 503 when failing, 200 otherwise. `/status` carries the
@@ -62,6 +63,14 @@ def routes(server) -> list[web.RouteDef]:
         doc["core"] = health.core_section(server.core.health())
         return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
+    async def lane(request: web.Request) -> web.Response:
+        """Where the lane listens (net.lane); 404 when this daemon has none. The port is no secret:
+        a lane is only attached with the token its websocket offered."""
+        lanes = server.sessions.lanes
+        if lanes is None:
+            raise web.HTTPNotFound(text="this syncer has no lane\n")
+        return web.Response(body=orjson.dumps({"port": lanes.port}), content_type="application/json")
+
     async def page(request: web.Request) -> web.Response:
         return web.Response(text=PAGE_HTML, content_type="text/html", charset="utf-8")
 
@@ -91,6 +100,7 @@ def routes(server) -> list[web.RouteDef]:
 
     return [
         web.get("/ws", server.sessions.serve),
+        web.get("/lane", lane),
         web.get("/healthz", healthz),
         web.get("/metrics", metrics),
         web.get("/status", status),

@@ -64,6 +64,7 @@ from ddiloco.net.items import (
     SnapshotTimeout,
     Wake,
 )
+from ddiloco.net.lane import LaneLimits, LaneListener
 from ddiloco.net.recorder import SYNCER_CLOCK_NAME, Recorder
 from ddiloco.net.sessions import Sessions
 from ddiloco.net.shell import Shell
@@ -105,6 +106,11 @@ class ServerConfig:
     # largest fragments takes well under a second; 30 s is a core that is stuck, not busy)
     core_stall_s_max: float = CORE_STALL_S_MAX_DEFAULT
     guard: GuardLimits = field(default_factory=GuardLimits)  # slow peers and connections per address
+    # The lane (net.lane): bulk frames' data on a plain TCP port beside the websockets, 0: any free
+    # port (a learner asks GET /lane). None: no lane, everything on the websockets. Off with TLS: the
+    # lane is not encrypted.
+    lane_port: int | None = 0
+    lane: LaneLimits = field(default_factory=LaneLimits)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -117,6 +123,8 @@ class ServerConfig:
             raise ValueError("snapshot_every_s needs a snapshot_dir")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.lane_port is not None and not 0 <= self.lane_port <= 65535:
+            raise ValueError(f"lane_port must be in [0, 65535] or None, got {self.lane_port}")
         if self.events_queued_max < 1 or self.heartbeat_s <= 0 or self.checkpoints_kept < 1:
             raise ValueError("events_queued_max, heartbeat_s and checkpoints_kept must be positive")
         if self.inbound_bytes_queued_max < 1:
@@ -250,12 +258,25 @@ class SyncerServer:
             ssl=ssl_context,
         )
         self.port = self._listener.sockets[0].getsockname()[1]  # the port the OS chose for port 0
+        self._start_lanes(ssl_context is not None)
         if self.config.snapshot_every_s:
             self._spawn(self._snapshot_timer())
         log.info(
             "syncer listening on %s:%d%s", self.config.host, self.port, " (TLS: https, wss)" if ssl_context else ""
         )
         return self.port
+
+    def _start_lanes(self, tls: bool) -> None:
+        if self.config.lane_port is None:
+            return
+        if tls:
+            log.info("no lane: it is not encrypted, and this daemon serves TLS; bulk frames stay on wss")
+            return
+        # A port that cannot be had fails the start as the websocket's port does (OSError).
+        lanes = LaneListener(self.config.host, self.config.lane_port, self.config.lane, self.sessions.attach_lane)
+        lanes.start()
+        self.sessions.lanes = lanes
+        log.info("lanes on %s:%d", self.config.host, lanes.port)
 
     async def stop(self, *, checkpoint: bool = True) -> None:
         """Close every connection, drain the core, write a last checkpoint (after a core failure: only
@@ -266,6 +287,8 @@ class SyncerServer:
         if self._watch is not None and self._watch is not asyncio.current_task():
             self._watch.cancel()
         self._listener.close()  # no new connection from here on
+        if self.sessions.lanes is not None:
+            await self.sessions.lanes.close()
         await self.sessions.close_all()
         await self.core.stop()
         if self.core.failure is None:  # the last items may have come with the stop queued behind them

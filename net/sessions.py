@@ -19,8 +19,8 @@ from aiohttp import WSMsgType, web
 
 from ddiloco.core.events import Log, Merged, SendWelcome
 from ddiloco.core.syncer import SyncerState
+from ddiloco.net import lane, session, wire
 from ddiloco.net import messages as msg
-from ddiloco.net import session, wire
 from ddiloco.net.auth import bearer_matches
 from ddiloco.net.budget import ByteBudget
 from ddiloco.net.checkpoints import Checkpoints
@@ -62,6 +62,8 @@ class Sessions:
         self._outbox: list[Callable[[], None]] = []  # the core thread's, handed over by `flush`
         # what the readers hold in messages the core has not handled yet (the event loop's)
         self.inbound = ByteBudget(config.inbound_bytes_queued_max)
+        self.lanes: lane.LaneListener | None = None  # the server's, when it has a lane port
+        self.lane_offers: dict[bytes, Connection] = {}  # token -> the websocket that offered it
 
     def message_id(self) -> int:
         return next(self._message_ids)
@@ -81,6 +83,7 @@ class Sessions:
         await ws.prepare(request)
         conn = Connection(next(self._conn_ids), ws, self.config.queues, sent=self._count_sent)
         self.conns[conn.conn_id] = conn
+        offer = self._offer_lane(conn, request.headers.get(lane.LANE_HEADER))
         await self.core.submit(Opened(conn.conn_id))
         reassembler = wire.Reassembler(self.config.wire, accepted=LEARNER_KINDS)  # refused before any buffer
         pending_bytes = 0  # of the message being reassembled
@@ -94,17 +97,21 @@ class Sessions:
                             await self.shut(conn, str(exc))
                         break
                     continue
-                self.metrics.bytes_in += len(frame.data)
-                self.metrics.frames_in += 1
-                pending_bytes += len(frame.data)
                 try:
-                    message = reassembler.feed(frame.data)
+                    message, frame_bytes = await lane.receive_frame(reassembler, frame.data, conn.lane)
                 except wire.WireError as exc:
                     pending_bytes = 0
                     if self.refuse(conn.conn_id, exc):
                         await self.shut(conn, str(exc))  # the error frame goes out before the close
                         break
                     continue
+                except lane.LaneError as exc:
+                    log.warning("learner %s (connection %d): %s", conn.learner, conn.conn_id, exc)
+                    break
+                self.metrics.bytes_in += frame_bytes
+                self.metrics.lane_bytes_in += frame_bytes - len(frame.data)
+                self.metrics.frames_in += 1
+                pending_bytes += frame_bytes
                 if message is not None:
                     nbytes, pending_bytes = pending_bytes, 0
                     await self.inbound.take(nbytes)  # waits while the core is that far behind
@@ -115,9 +122,34 @@ class Sessions:
             writer.cancel()
             conn.closed = True
             self.conns.pop(conn.conn_id, None)
+            if offer is not None and self.lane_offers.get(offer) is conn:
+                del self.lane_offers[offer]
+            if conn.lane is not None:
+                conn.lane.close()
             if not self._stopping():
                 await self.core.submit(Closed(conn.conn_id, "connection closed"))
         return ws
+
+    def _offer_lane(self, conn: Connection, header: str | None) -> bytes | None:
+        """Keep the token of the lane this websocket's learner offers (net.lane), where the daemon
+        has a lane: the key its lane connection must present."""
+        token = lane.parse_token(header)
+        if header is None or self.lanes is None:
+            return None
+        if token is None or token in self.lane_offers:
+            log.info("connection %d: lane offer ignored (not 32 hex characters, or a token in use)", conn.conn_id)
+            return None
+        self.lane_offers[token] = conn
+        return token
+
+    def attach_lane(self, token: bytes, sock) -> bool:
+        """The lane listener's: give the connection that offered `token` its lane."""
+        conn = self.lane_offers.pop(token, None)
+        if conn is None or conn.closed:
+            return False
+        conn.lane = lane.Lane(sock, self.lanes.limits)
+        log.info("learner %s (connection %d): lane attached", conn.learner, conn.conn_id)
+        return True
 
     async def _write(self, conn: Connection) -> None:
         try:
@@ -127,6 +159,10 @@ class Sessions:
             log.warning("dropping learner %s: %s", conn.learner, exc)
             conn.closed = True
             await conn.ws.close(code=1008, message=b"slow peer")
+        except lane.LaneError as exc:  # the lane's bytes are lost: the connection cannot go on
+            log.warning("learner %s (connection %d): %s", conn.learner, conn.conn_id, exc)
+            conn.closed = True
+            await conn.ws.close(code=1011, message=b"lane failed")
         except (ConnectionError, RuntimeError) as exc:  # the socket went away under the writer
             log.info("connection %d: writer stopped: %s", conn.conn_id, exc)
             conn.closed = True
@@ -194,8 +230,9 @@ class Sessions:
         if not self._stopping() and not self.core.submit_nowait(item):
             self._spawn(self.core.submit(item))  # never lose a timer: a task waits for room
 
-    def _count_sent(self, frame_bytes: int) -> None:
+    def _count_sent(self, frame_bytes: int, lane_bytes: int) -> None:
         self.metrics.bytes_out += frame_bytes
+        self.metrics.lane_bytes_out += lane_bytes
         self.metrics.frames_out += 1
 
     # ---- the shell's link: called on the core thread ----------------------------------------

@@ -79,8 +79,10 @@ class Metrics:
 
     merges: int = 0
     pushes_merged: int = 0  # contributions of the rounds merged (pushes per merge: this / merges)
-    bytes_in: int = 0
+    bytes_in: int = 0  # frames' bytes, on the websockets and the lanes
     bytes_out: int = 0
+    lane_bytes_in: int = 0  # of them, the frames' data that went on a lane (net.lane)
+    lane_bytes_out: int = 0
     frames_in: int = 0
     frames_out: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # by reason (error code)
@@ -303,8 +305,10 @@ def _syncer_families(r: Reading) -> Iterator[Metric]:
         ),
     )
     yield _counter("pushes_merged_total", "Pushes merged (contributions of the rounds merged).", m.pushes_merged)
-    yield _counter("received_bytes_total", "Websocket payload bytes received from learners.", m.bytes_in)
-    yield _counter("sent_bytes_total", "Websocket payload bytes sent to learners.", m.bytes_out)
+    yield _counter("received_bytes_total", "Frame bytes received from learners (websockets and lanes).", m.bytes_in)
+    yield _counter("sent_bytes_total", "Frame bytes sent to learners (websockets and lanes).", m.bytes_out)
+    yield _counter("received_lane_bytes_total", "Of the bytes received, those that came on a lane.", m.lane_bytes_in)
+    yield _counter("sent_lane_bytes_total", "Of the bytes sent, those that went on a lane.", m.lane_bytes_out)
     yield _counter("received_frames_total", "Websocket frames received from learners.", m.frames_in)
     yield _counter("sent_frames_total", "Websocket frames sent to learners.", m.frames_out)
     yield _counter(
@@ -565,4 +569,6 @@ def status_document(r: Reading, started_at: float) -> dict:
         "warnings": warnings_of(r),
         "bytes_in": r.metrics.bytes_in,
         "bytes_out": r.metrics.bytes_out,
+        "lane_bytes_in": r.metrics.lane_bytes_in,
+        "lane_bytes_out": r.metrics.lane_bytes_out,
     }

@@ -14,10 +14,12 @@ Public surface:
   frame arrives. Frames of different messages may interleave (a control message between the chunks
   of a bulk one); chunks of one message arrive in order. Kinds outside `accepted` are refused
   before anything is allocated for them (`ALL_KINDS` by default; `LEARNER_KINDS` on the syncer,
-  `SYNCER_KINDS` on a learner, both from `ddiloco.net.messages`).
+  `SYNCER_KINDS` on a learner, both from `ddiloco.net.messages`). `lane_chunk(header, prefix)`
+  and `lane_end(chunk)` take a frame whose header came alone and whose data came on the
+  connection's lane (net.lane), written straight into the message's memory.
 - `WireError(code, text, *, fatal)`: a `ValueError` carrying an `ErrorCode`; `to_message()` turns
   it into the `Error` to send back.
-- `HEADER`, `HEADER_BYTES`, `MAGIC`, `PROTOCOL_VERSION`, `SUPPORTED_VERSIONS`.
+- `HEADER`, `HEADER_BYTES`, `LANE_PREFIX`, `LaneChunk`, `MAGIC`, `PROTOCOL_VERSION`, `SUPPORTED_VERSIONS`.
 
 After a `WireError`: if `fatal` is false the error was confined to one single-frame message whose
 header was intact; that message is dropped, the reassembler is unchanged and the connection may go
@@ -56,6 +58,8 @@ SUPPORTED_VERSIONS = (3,)  # versions this implementation decodes
 # payload bytes, meta bytes, crc32; little-endian, no padding
 HEADER = struct.Struct("<4sBBHQIIQQII")
 HEADER_BYTES = HEADER.size  # 48
+# what precedes each frame's data on a lane (net.lane): message id, chunk index, data bytes
+LANE_PREFIX = struct.Struct("<QII")
 CRC_OFFSET = HEADER_BYTES - 4  # the CRC is the header's last field and covers everything else
 META_BYTES_MIN = 2  # "{}"
 META_ALIGN_BYTES = 8  # the JSON meta is padded with spaces so a lone frame's payload is 8-aligned
@@ -237,6 +241,17 @@ def _check_sizes(kind: Kind, meta_bytes: int, payload_bytes: int, limits: WireLi
         )
 
 
+@dataclass(frozen=True)
+class LaneChunk:
+    """A frame whose data comes on the lane (`Reassembler.lane_chunk`): fill `views` in order with
+    its `data_bytes` bytes, then hand it to `Reassembler.lane_end`."""
+
+    fields: _Header
+    header: bytes  # the 48 bytes as they came: the CRC covers them
+    views: tuple[memoryview, ...]
+    data_bytes: int
+
+
 @dataclass
 class _Partial:
     """A multi-frame message whose first frame has arrived."""
@@ -251,19 +266,37 @@ class _Partial:
 
     def take(self, data: memoryview) -> None:
         """Store the next `len(data)` body bytes; decode the meta when it becomes complete."""
+        at = 0
+        for view in self.views(len(data)):
+            view[:] = data[at : at + len(view)]
+            at += len(view)
+        self.settle(len(data))
+
+    def views(self, data_bytes: int) -> list[memoryview]:
+        """Where the next `data_bytes` body bytes go, in order: the rest of the meta, then the
+        payload (writable views into this message's own memory)."""
         meta_bytes = len(self.meta)
         at = self.received_bytes
+        views = []
         if at < meta_bytes:
-            piece = data[: meta_bytes - at]
-            self.meta[at : at + len(piece)] = piece
-            data = data[len(piece) :]
-            at += len(piece)
-            if at == meta_bytes:
-                view = memoryview(self.payload).toreadonly()
-                self.message = _decode(self.kind, memoryview(self.meta), view)
-        start = at - meta_bytes
-        self.payload[start : start + len(data)] = data
-        self.received_bytes = at + len(data)
+            piece = min(data_bytes, meta_bytes - at)
+            views.append(memoryview(self.meta)[at : at + piece])
+            data_bytes -= piece
+            at += piece
+        if data_bytes:
+            start = at - meta_bytes
+            views.append(memoryview(self.payload)[start : start + data_bytes])
+        return views
+
+    def settle(self, data_bytes: int) -> None:
+        """The next `data_bytes` body bytes are in place: count them, and decode the meta when
+        they complete it."""
+        meta_bytes = len(self.meta)
+        before = self.received_bytes
+        self.received_bytes = before + data_bytes
+        if before < meta_bytes <= self.received_bytes:
+            view = memoryview(self.payload).toreadonly()
+            self.message = _decode(self.kind, memoryview(self.meta), view)
 
 
 class Reassembler:
@@ -292,8 +325,7 @@ class Reassembler:
 
     def feed(self, frame: bytes | bytearray | memoryview) -> Message | None:
         """Take one frame; return the message it completes, else None. Raises `WireError`."""
-        if self._broken is not None:
-            raise WireError(self._broken.code, f"connection unusable after an earlier error: {self._broken.text}")
+        self._check_usable()
         try:
             view = memoryview(frame).cast("B")
             header = self._header(view)
@@ -302,8 +334,7 @@ class Reassembler:
             return self._chunk(header, view[HEADER_BYTES:])
         except WireError as error:
             if error.fatal:
-                self._broken = error
-                self._partials.clear()  # release the buffers now, not when the connection goes
+                self._fail(error)
             raise
 
     def _header(self, view: memoryview) -> _Header:
@@ -317,15 +348,12 @@ class Reassembler:
                 ErrorCode.OVERSIZED,
                 f"frame of {len(view)} bytes exceeds frame_bytes_max {self._limits.frame_bytes_max}",
             )
-        header = _Header._make(HEADER.unpack_from(view))
-        if header.magic != MAGIC:
-            raise WireError(ErrorCode.BAD_FRAME, f"bad magic {header.magic!r}, expected {MAGIC!r}")
-        if header.version not in SUPPORTED_VERSIONS:
+        if len(view) == HEADER_BYTES:  # every frame carries data: a header alone is a lane's (net.lane)
             raise WireError(
-                ErrorCode.PROTOCOL_VERSION,
-                f"protocol version {header.version} is"
-                f" not understood; this peer understands {list(SUPPORTED_VERSIONS)}",
+                ErrorCode.BAD_FRAME,
+                "a frame of its header alone, whose data would come on a lane, and this connection has none",
             )
+        header = _unpack(view)
         if _frame_crc(view) != header.crc:
             raise WireError(
                 ErrorCode.CHECKSUM,
@@ -333,13 +361,17 @@ class Reassembler:
                 f" (message {header.message_id}, chunk {header.chunk_index})",
             )
         # from here on the header is intact: the fields are what the peer sent
+        self._check_fields(header)
+        return header
+
+    @staticmethod
+    def _check_fields(header: _Header) -> None:
         if header.flags != 0:
             raise WireError(ErrorCode.BAD_FRAME, f"flags {header.flags:#x} set; version 1 has none")
         if not header.chunk_index < header.chunk_count:
             raise WireError(
                 ErrorCode.BAD_FRAME, f"chunk index {header.chunk_index} not below chunk count {header.chunk_count}"
             )
-        return header
 
     def _whole(self, header: _Header, view: memoryview) -> Message:
         """A message in one frame: every error is confined to it."""
@@ -363,17 +395,12 @@ class Reassembler:
     def _chunk(self, header: _Header, data: memoryview) -> Message | None:
         """One frame of a multi-frame message."""
         self._check_span(header, len(data))
-        if header.chunk_index == 0:
-            partial = self._start(header)
-        else:
-            partial = self._partials.get(header.message_id)
-            if partial is None:
-                raise WireError(
-                    ErrorCode.BAD_FRAME,
-                    f"chunk {header.chunk_index} of message {header.message_id}, which is not in flight",
-                )
-            self._check_continues(partial, header)
+        partial = self._start(header) if header.chunk_index == 0 else self._continued(header)
         partial.take(data)
+        return self._advance(partial, header)
+
+    def _advance(self, partial: _Partial, header: _Header) -> Message | None:
+        """A chunk of `partial` is in: the message, if that was its last chunk."""
         partial.next_index += 1
         if partial.next_index < header.chunk_count:
             return None
@@ -386,6 +413,80 @@ class Reassembler:
             )
         assert partial.message is not None  # the meta is complete once every body byte is in
         return partial.message
+
+    def lane_chunk(self, header: bytes | memoryview, prefix: bytes | memoryview) -> LaneChunk:
+        """A frame whose 48-byte header came alone and whose data follows on the connection's lane
+        behind `prefix` (`LANE_PREFIX`: message id, chunk index, data bytes; net.lane). Checked as
+        `feed` checks a frame, but for the CRC, which covers the data (`lane_end` checks it); the
+        answer says where the data goes, straight into the message's memory. Raises `WireError`,
+        always fatal: a lane whose bytes do not match the headers is out of step for good."""
+        self._check_usable()
+        try:
+            view = memoryview(header).cast("B")
+            if len(view) != HEADER_BYTES:
+                raise WireError(ErrorCode.BAD_FRAME, f"a lane frame's header is {len(view)} bytes, not {HEADER_BYTES}")
+            fields = _unpack(view)
+            self._check_fields(fields)
+            message_id, chunk_index, data_bytes = LANE_PREFIX.unpack(prefix)
+            if (message_id, chunk_index) != (fields.message_id, fields.chunk_index):
+                raise WireError(
+                    ErrorCode.BAD_FRAME,
+                    f"the lane carries message {message_id} chunk {chunk_index}, the header announced"
+                    f" message {fields.message_id} chunk {fields.chunk_index}",
+                )
+            if HEADER_BYTES + data_bytes > self._limits.frame_bytes_max:
+                raise WireError(
+                    ErrorCode.OVERSIZED,
+                    f"lane frame of {HEADER_BYTES + data_bytes} bytes exceeds frame_bytes_max"
+                    f" {self._limits.frame_bytes_max}",
+                )
+            self._check_span(fields, data_bytes)
+            partial = self._start(fields) if fields.chunk_index == 0 else self._continued(fields)
+            return LaneChunk(fields, bytes(view), tuple(partial.views(data_bytes)), data_bytes)
+        except WireError as error:
+            self._fail(error)
+            raise
+
+    def lane_end(self, chunk: LaneChunk) -> Message | None:
+        """`chunk`'s data is in place: check its CRC; the message, if that was its last chunk.
+        Raises `WireError`, always fatal."""
+        self._check_usable()
+        try:
+            crc = crc32(chunk.header[:CRC_OFFSET])
+            for view in chunk.views:
+                crc = crc32(view, crc)
+            fields = chunk.fields
+            if crc != fields.crc:
+                raise WireError(
+                    ErrorCode.CHECKSUM,
+                    f"crc32 mismatch in a lane frame of {HEADER_BYTES + chunk.data_bytes} bytes"
+                    f" (message {fields.message_id}, chunk {fields.chunk_index})",
+                )
+            partial = self._partials[fields.message_id]
+            partial.settle(chunk.data_bytes)
+            return self._advance(partial, fields)
+        except WireError as error:
+            self._fail(error)
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise WireError(self._broken.code, f"connection unusable after an earlier error: {self._broken.text}")
+
+    def _fail(self, error: WireError) -> None:
+        error.fatal = True
+        self._broken = error
+        self._partials.clear()  # release the buffers now, not when the connection goes
+
+    def _continued(self, header: _Header) -> _Partial:
+        partial = self._partials.get(header.message_id)
+        if partial is None:
+            raise WireError(
+                ErrorCode.BAD_FRAME,
+                f"chunk {header.chunk_index} of message {header.message_id}, which is not in flight",
+            )
+        self._check_continues(partial, header)
+        return partial
 
     def _start(self, header: _Header) -> _Partial:
         """The first frame of a multi-frame message: check the declarations, then allocate."""
@@ -452,6 +553,19 @@ class Reassembler:
                 ErrorCode.BAD_FRAME,
                 f"message {header.message_id}: chunk offset {header.chunk_offset}, expected {partial.received_bytes}",
             )
+
+
+def _unpack(view: memoryview) -> _Header:
+    """The header's fields, once its magic and version are ours."""
+    header = _Header._make(HEADER.unpack_from(view))
+    if header.magic != MAGIC:
+        raise WireError(ErrorCode.BAD_FRAME, f"bad magic {header.magic!r}, expected {MAGIC!r}")
+    if header.version not in SUPPORTED_VERSIONS:
+        raise WireError(
+            ErrorCode.PROTOCOL_VERSION,
+            f"protocol version {header.version} is not understood; this peer understands {list(SUPPORTED_VERSIONS)}",
+        )
+    return header
 
 
 def _decode(kind: Kind, meta: memoryview, payload: memoryview) -> Message:

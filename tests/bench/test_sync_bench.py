@@ -31,6 +31,7 @@ KEYS = {
     "cores",
     "wire",
     "wire_cpu_s_per_sync",
+    "learners_on_a_lane",
 }
 
 
@@ -58,6 +59,8 @@ def _check_ddiloco_side(r: dict, learners: int, syncs: int, params: int = 100_00
     cpu = r["cpu_s"]  # every process's threads, per sync: the learners encoded and applied, the syncer merged
     assert cpu["ddiloco_learners"] > 0 and cpu["ddiloco_syncer"] > 0 and cpu["ddiloco"] > 0
     assert r["cores"] >= 1
+    # every learner had its lane (net.lane) unless the run said --no-lane
+    assert r["learners_on_a_lane"] == (learners if r["settings"]["lane"] else 0)
     # the sync's bytes, moved again over each transport alone
     for transport in ("websocket", "tcp"):
         assert r["wire"][transport]["cpu_ns_per_byte"] > 0 and r["wire"][transport]["gbps"] > 0
@@ -85,6 +88,7 @@ def test_small_sync_writes_every_key_and_the_gloo_side_where_torch_is(tmp_path):
 def test_no_torch_leaves_the_gloo_keys_null(tmp_path, capsys):
     path = tmp_path / "sync.json"
     argv = ["bench", "sync", "--params", "100000", "--learners", "3", "--repeat", "1", "--warmup", "0", "--no-torch"]
+    argv += ["--no-lane"]  # every byte on the websockets: that path stays measured too
     assert main(argv + ["--codec", "bf16", "--merge", "rda", "--json", str(path)]) == 0
     r = json.loads(path.read_text())
     assert r["gloo_skipped"] == "--no-torch"

@@ -74,8 +74,9 @@ def test_the_syncer_is_one_cpu_pod_on_its_checkpoint_volume_with_health_probes()
     assert "cpu" in resources["requests"] and not any("gpu" in key for part in resources.values() for key in part)
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz" and container[probe]["httpGet"]["port"] == "syncer"
-    (port,) = container["ports"]
-    assert port["name"] == "syncer" and str(port["containerPort"]) == env["DDILOCO_PORT"]
+    ports = {p["name"]: str(p["containerPort"]) for p in container["ports"]}
+    # the websocket's port, and the lane's fixed (a Service forwards only the ports it names)
+    assert ports == {"syncer": env["DDILOCO_PORT"], "lane": env["DDILOCO_LANE_PORT"]}
     (ck,) = [m for m in container["volumeMounts"] if m["name"] == "checkpoints"]
     (claim,) = [v for v in spec["template"]["spec"]["volumes"] if v["name"] == "checkpoints"]
     assert claim["persistentVolumeClaim"]["claimName"] == kinds["PersistentVolumeClaim"]["metadata"]["name"]
@@ -90,8 +91,12 @@ def test_the_service_reaches_the_syncer_pod_at_the_address_learners_dial():
     labels = syncer["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
     assert syncer["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
-    (port,) = service["spec"]["ports"]
+    port, lane = sorted(service["spec"]["ports"], key=lambda p: p["name"] != "syncer")
     assert port["targetPort"] == "syncer"
+    # A learner dials the lane at the Service's address on the port the syncer names (GET /lane):
+    # the Service's lane port is the container's.
+    env = {e["name"]: e["value"] for e in _container(syncer)["env"]}
+    assert lane["targetPort"] == "lane" and str(lane["port"]) == env["DDILOCO_LANE_PORT"]
     args = _container(job)["args"]
     assert args[args.index("--syncer") + 1] == f"ws://{service['metadata']['name']}:{port['port']}/ws"
 

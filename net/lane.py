@@ -1,0 +1,306 @@
+"""The lane: a plain TCP connection beside a learner's websocket that carries its bulk frames' data.
+
+Why: over loopback, aiohttp's websocket costs about 2 ns of CPU per byte, sender and receiver summed
+(the client masks every byte, the reader copies each frame several times); a bare socket moves the
+same bytes for about 0.3 ns (`ddiloco bench sync`, its wire columns). Pushes and updates are nearly
+all of the bytes, and on a CPU-bound sync that CPU is time.
+
+How (docs/protocol.md, "The lane"): the websocket keeps every message and its order. A frame with
+at least `LaneLimits.data_bytes_min` bytes of data goes out as its 48-byte header alone on the
+websocket, and its data on the lane behind `wire.LANE_PREFIX` (message id, chunk index, data bytes).
+The receiver reads the websocket in order; at a header-only frame it reads the prefix and the data
+from the lane straight into the message's memory (`wire.Reassembler.lane_chunk`). Both sides send a
+frame's header before its data and both streams keep their order, so the lane is never searched and
+a control message still overtakes a bulk one only between two frames, as on the websocket alone.
+
+Setup: the learner offers a lane with a random token in its upgrade request's `LANE_HEADER` (so only
+an authenticated websocket can have one), asks `GET /lane` for the port after connecting (404: the
+syncer has none) and opens it with `LANE_HELLO` (magic, lane version, token); the syncer answers
+`LANE_ANSWER` (magic, status) and both sides use the lane from then on. Anything that fails on the
+way leaves the connection on its websocket alone; a lane that fails once in use closes the connection
+(its bytes and the headers are out of step), and the learner reconnects.
+
+I/O: blocking sockets, each direction on a thread of its own: `sendmsg` of the prefix and of the data
+as it lies in the encoded frames, `recv_into` the message's memory. The event loop never touches the
+bulk bytes, and the kernel copies them with the GIL released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ddiloco.errors import FaultError
+from ddiloco.net import wire
+
+__all__ = [
+    "LANE_HEADER",
+    "Lane",
+    "LaneError",
+    "LaneLimits",
+    "LaneListener",
+    "new_token",
+    "open_lane",
+    "parse_token",
+    "receive_frame",
+    "send_frame",
+]
+
+log = logging.getLogger("ddiloco.lane")
+
+LANE_HEADER = "X-Ddiloco-Lane"  # the upgrade request's offer: the token, 32 hex characters
+LANE_VERSION = 1
+TOKEN_BYTES = 16
+LANE_HELLO = struct.Struct("<4sI16s8x")  # magic, lane version, token; 32 bytes
+LANE_ANSWER = struct.Struct("<4sI")  # magic, status
+LANE_MAGIC = b"DDLN"
+ATTACHED, UNKNOWN_TOKEN, BAD_HELLO = 0, 1, 2
+STATUS_TEXT = {ATTACHED: "attached", UNKNOWN_TOKEN: "unknown token", BAD_HELLO: "bad hello"}
+
+
+class LaneError(FaultError, ConnectionError):
+    """The lane failed: its peer went away, stalled, or sent what the protocol does not allow."""
+
+    what_to_do = "nothing: the learner reconnects; if it repeats, run with --no-lane and report it"
+
+
+@dataclass(frozen=True)
+class LaneLimits:
+    # frames with less data stay on the websocket: a lane round trip costs more than it saves there
+    data_bytes_min: int = 64 << 10
+    handshake_s_max: float = 5.0  # connecting and the hello, on either side
+    stall_s_max: float = 30.0  # a send or a receive that makes no progress for this long: the peer is gone
+    handshakes_max: int = 64  # lane connections the syncer holds before they name their websocket
+
+    def __post_init__(self) -> None:
+        if self.data_bytes_min < 1 or self.handshakes_max < 1:
+            raise ValueError("LaneLimits.data_bytes_min and handshakes_max must be at least 1")
+        if not (self.handshake_s_max > 0 and self.stall_s_max > 0):
+            raise ValueError("LaneLimits.handshake_s_max and stall_s_max must be positive")
+
+
+def new_token() -> str:
+    """A lane offer's token: 16 random bytes as hex."""
+    return secrets.token_hex(TOKEN_BYTES)
+
+
+def parse_token(text: str | None) -> bytes | None:
+    """The token of an offer, or None when there is none or it is not 32 hex characters."""
+    if text is None or len(text) != 2 * TOKEN_BYTES:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return None
+
+
+class Lane:
+    """One connected lane: `send` and `receive` frames' data, each direction on a thread of its own."""
+
+    def __init__(self, sock: socket.socket, limits: LaneLimits) -> None:
+        sock.setblocking(True)
+        sock.settimeout(limits.stall_s_max)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.limits = limits
+        self._sock = sock
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="ddiloco-lane-send")
+        self._receiver = ThreadPoolExecutor(1, thread_name_prefix="ddiloco-lane-recv")
+        self.closed = False
+
+    def carries(self, frame: bytes | memoryview) -> bool:
+        """Whether `frame` goes out as a header on the websocket and its data on the lane."""
+        return not self.closed and len(frame) - wire.HEADER_BYTES >= self.limits.data_bytes_min
+
+    async def send(self, frame: memoryview) -> None:
+        """Send `frame`'s data behind its prefix (its header goes on the websocket, first)."""
+        view = memoryview(frame).cast("B")
+        fields = wire.HEADER.unpack_from(view)
+        data = view[wire.HEADER_BYTES :]
+        prefix = wire.LANE_PREFIX.pack(fields[4], fields[5], len(data))
+        await asyncio.get_running_loop().run_in_executor(self._sender, self._send_blocking, prefix, data)
+
+    def _send_blocking(self, prefix: bytes, data: memoryview) -> None:
+        try:
+            sent = self._sock.sendmsg([prefix, data])
+            if sent < len(prefix):
+                self._sock.sendall(prefix[sent:])
+                sent = len(prefix)
+            self._sock.sendall(data[sent - len(prefix) :])
+        except OSError as exc:  # socket.timeout included: a stalled peer
+            raise LaneError(f"lane send failed: {type(exc).__name__} {exc}") from exc
+
+    async def receive(self, reassembler: wire.Reassembler, header: bytes | memoryview) -> tuple[object, int]:
+        """The data of the frame whose `header` came alone on the websocket, read into its message's
+        memory: (the message it completes or None, the frame's data bytes). Raises `wire.WireError`
+        (the lane's bytes do not match the header) or `LaneError`."""
+        loop = asyncio.get_running_loop()
+        # The reassembler is this connection's reader's, and the reader waits here: the thread may use it.
+        chunk = await loop.run_in_executor(self._receiver, self._receive_blocking, reassembler, bytes(header))
+        return reassembler.lane_end(chunk), chunk.data_bytes
+
+    def _receive_blocking(self, reassembler: wire.Reassembler, header: bytes) -> wire.LaneChunk:
+        prefix = bytearray(wire.LANE_PREFIX.size)
+        self._fill(memoryview(prefix))
+        chunk = reassembler.lane_chunk(header, prefix)
+        for view in chunk.views:
+            self._fill(view)
+        return chunk
+
+    def _fill(self, view: memoryview) -> None:
+        got = 0
+        try:
+            while got < len(view):
+                n = self._sock.recv_into(view[got:])
+                if n == 0:
+                    raise LaneError(f"lane closed by its peer after {got} of {len(view)} bytes")
+                got += n
+        except OSError as exc:
+            if isinstance(exc, LaneError):
+                raise
+            raise LaneError(f"lane receive failed: {type(exc).__name__} {exc}") from exc
+
+    def close(self) -> None:
+        """Shut the socket (a thread blocked on it returns at once) and let the threads end."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more: nothing to shut
+        self._sock.close()
+        self._sender.shutdown(wait=False)
+        self._receiver.shutdown(wait=False)
+
+
+async def send_frame(ws, lane: Lane | None, frame: bytes | memoryview) -> int:
+    """Send one frame on a websocket, its data on `lane` when the lane carries it: the bytes that
+    went on the lane (0: the whole frame went on the websocket)."""
+    if lane is not None and lane.carries(frame):
+        await ws.send_bytes(memoryview(frame)[: wire.HEADER_BYTES])
+        await lane.send(frame)
+        return len(frame) - wire.HEADER_BYTES
+    await ws.send_bytes(frame)
+    return 0
+
+
+async def receive_frame(reassembler: wire.Reassembler, data: bytes, lane: Lane | None) -> tuple[object, int]:
+    """One websocket message received: (the message it completes or None, the frame's bytes on both
+    streams). A header alone is a lane frame where there is a lane; elsewhere the reassembler
+    refuses it as a frame without data."""
+    if lane is not None and len(data) == wire.HEADER_BYTES:
+        message, data_bytes = await lane.receive(reassembler, data)
+        return message, wire.HEADER_BYTES + data_bytes
+    return reassembler.feed(data), len(data)
+
+
+def open_lane(host: str, port: int, token: str, limits: LaneLimits) -> Lane:
+    """Connect to the syncer's lane and present `token` (blocking: run it on a thread). Raises
+    `LaneError` when the lane cannot be had; the caller goes on without one."""
+    try:
+        sock = socket.create_connection((host, port), timeout=limits.handshake_s_max)
+    except OSError as exc:
+        raise LaneError(f"cannot connect to the lane at {host}:{port}: {exc}") from exc
+    try:
+        sock.sendall(LANE_HELLO.pack(LANE_MAGIC, LANE_VERSION, bytes.fromhex(token)))
+        answer = bytearray(LANE_ANSWER.size)
+        view, got = memoryview(answer), 0
+        while got < len(answer):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise LaneError(f"the lane at {host}:{port} closed before answering")
+            got += n
+        magic, status = LANE_ANSWER.unpack(answer)
+        if magic != LANE_MAGIC or status != ATTACHED:
+            raise LaneError(f"the lane at {host}:{port} refused: {STATUS_TEXT.get(status, status)}")
+    except OSError as exc:
+        sock.close()
+        if isinstance(exc, LaneError):
+            raise
+        raise LaneError(f"lane handshake with {host}:{port} failed: {exc}") from exc
+    return Lane(sock, limits)
+
+
+class LaneListener:
+    """The syncer's lane port: accepts connections, reads their hello within the limits, and hands
+    each to `attach(token, sock) -> bool` (False: no websocket offered that token). Bad input
+    closes that one connection and nothing else."""
+
+    def __init__(self, host: str, port: int, limits: LaneLimits, attach: Callable[[bytes, socket.socket], bool]):
+        self.limits = limits
+        self._attach = attach
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock.setblocking(False)
+        self.port: int = self._sock.getsockname()[1]
+        self._handshakes: set[asyncio.Task] = set()
+        self._accepting: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(), name="ddiloco-lane-accept")
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of file descriptors, say: the next accept may work
+                log.warning("lane: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._handshakes) >= self.limits.handshakes_max:
+                log.warning("lane: %s refused, %d handshakes already open", addr, len(self._handshakes))
+                conn.close()
+                continue
+            task = loop.create_task(self._handshake(conn, addr))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, conn: socket.socket, addr) -> None:
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        try:
+            hello = await asyncio.wait_for(_recv_exactly(loop, conn, LANE_HELLO.size), self.limits.handshake_s_max)
+            magic, version, token = LANE_HELLO.unpack(hello)
+            if (magic, version) != (LANE_MAGIC, LANE_VERSION):
+                status = BAD_HELLO
+            elif self._attach(token, conn):
+                # Attached before the answer, in one step of the loop: the learner sends lane frames
+                # once it has the answer, and its websocket must find the lane there. Eight bytes
+                # into a fresh socket's empty buffer (the lane's, blocking now) do not wait.
+                conn.sendall(LANE_ANSWER.pack(LANE_MAGIC, ATTACHED))
+                return
+            else:
+                status = UNKNOWN_TOKEN
+            await asyncio.wait_for(
+                loop.sock_sendall(conn, LANE_ANSWER.pack(LANE_MAGIC, status)), self.limits.handshake_s_max
+            )
+        except (OSError, TimeoutError, EOFError) as exc:
+            log.info("lane: handshake with %s failed: %s", addr, exc)
+            conn.close()
+            return
+        log.warning("lane: %s refused: %s", addr, STATUS_TEXT[status])
+        conn.close()
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
+        await asyncio.gather(*self._handshakes, *([self._accepting] if self._accepting else []), return_exceptions=True)
+        self._sock.close()
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, nbytes: int) -> bytes:
+    out = bytearray()
+    while len(out) < nbytes:
+        piece = await loop.sock_recv(conn, nbytes - len(out))
+        if not piece:
+            raise EOFError(f"closed after {len(out)} of {nbytes} bytes")
+        out += piece
+    return bytes(out)
