@@ -65,6 +65,7 @@ REFERENCE_HEADS = 4  # reference.ModelConfig's n_heads, which d_model must be a 
 THREAD_ROLES = ("training", "background", "network", "other")  # how CPU per step is split by thread
 BACKGROUND_THREAD_PREFIX = "ddiloco-sync"  # learner.background's worker
 NETWORK_THREAD_NAME = "ddiloco-client"  # net.client.ThreadedClient's
+LANE_THREAD_PREFIX = "ddiloco-lane"  # net.lane's sender and receiver: network too
 SYNTHETIC_TOKENS_PER_STEP = 512  # what a synthetic step reports (the reference loop's 8 x 64)
 
 
@@ -453,7 +454,7 @@ def _thread_role(tid: int, training: int, name: str) -> str:
         return "training"
     if name.startswith(BACKGROUND_THREAD_PREFIX):
         return "background"
-    if name == NETWORK_THREAD_NAME:
+    if name == NETWORK_THREAD_NAME or name.startswith(LANE_THREAD_PREFIX):
         return "network"
     return "other"
 

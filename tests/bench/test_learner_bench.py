@@ -49,8 +49,9 @@ def test_a_short_synthetic_run_writes_every_figure_in_its_range(tmp_path, capsys
     assert format_report(r) in text
 
 
-def test_thread_cpu_is_split_by_the_threads_role():
-    # a thread named as the hook's background thread burns CPU: its seconds land under its role
+@pytest.mark.parametrize("name, role", [("ddiloco-sync_0", "background"), ("ddiloco-lane-recv_0", "network")])
+def test_thread_cpu_is_split_by_the_threads_role(name, role):
+    # a thread named as the hook's background thread (or a lane's) burns CPU: its seconds land under its role
     import threading
     import time
 
@@ -65,13 +66,13 @@ def test_thread_cpu_is_split_by_the_threads_role():
         burnt.set()
         read.wait(60)  # alive while its seconds are read: a thread that ended takes them with it
 
-    worker = threading.Thread(target=burn, name="ddiloco-sync_0")
+    worker = threading.Thread(target=burn, name=name)
     worker.start()
     assert burnt.wait(60)
     after = learner._threads_cpu_s()
     read.set()
     worker.join()
-    assert after["background"] - before["background"] >= 0.15
+    assert after[role] - before[role] >= 0.15
     assert after["training"] - before["training"] < 0.1  # this thread waited
 
 
