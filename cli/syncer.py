@@ -49,12 +49,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "lane-port",
         int,
-        "port of the lane, the plain TCP connection beside each websocket that carries pushes' and updates'"
-        " bytes (0 picks a free one; learners ask GET /lane)",
+        "port of the lane, the TCP connection beside each websocket that carries pushes' and updates'"
+        " bytes, with TLS where the syncer serves it (0 picks a free one; learners ask GET /lane)",
         default=0,
         bounds=(0, 65535),
     ),
-    Setting("no-lane", bool, "no lane: every byte goes over the websockets (off anyway with TLS)", default=False),
+    Setting("no-lane", bool, "no lane: every byte goes over the websockets", default=False),
     Setting("auth-token-file", Path, "file holding the shared bearer token (mode 0600)", metavar="FILE"),
     Setting(
         "allow-shared-token", bool, "accept a token file that group or others may read (with a warning)", default=False

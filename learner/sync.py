@@ -99,7 +99,7 @@ class SyncConfig:
     name: str
     token: str | None = None
     ca_file: Path | None = None  # wss://: the CA certificate(s) the syncer's certificate must chain to (net.tls)
-    lane: bool = True  # offer the syncer a lane: pushes and updates on a plain TCP connection (net.lane)
+    lane: bool = True  # offer the syncer a lane: pushes and updates on a TCP connection of their own (net.lane)
     codec: str = "int4"
     alpha: float = 0.0  # 0: overwrite with the merged fragment (the paper's default)
     # With alpha 0, keep what this learner trained since its last push over an arriving version

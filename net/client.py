@@ -106,8 +106,8 @@ class ClientConfig:
     # out before the goodbye, for at most this long; then the connection closes whatever is left.
     close_drain_s: float = 2.0
     wire: wire.WireLimits = field(default_factory=wire.WireLimits)
-    # Offer a lane (net.lane: bulk frames' data on a plain TCP connection beside the websocket) to a
-    # syncer that has one; never over wss://, the lane not being encrypted.
+    # Offer a lane (net.lane: bulk frames' data on a TCP connection beside the websocket, over TLS
+    # for a wss:// syncer) to a syncer that has one.
     lane: bool = True
     lane_limits: LaneLimits = field(default_factory=LaneLimits)
 
@@ -360,7 +360,7 @@ class SyncerClient:
 
     async def _serve_once(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
-        token = lane.new_token() if self.config.lane and self.config.url.startswith("ws://") else None
+        token = lane.new_token() if self.config.lane else None
         if token is not None:
             headers[lane.LANE_HEADER] = token
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
@@ -434,12 +434,13 @@ class SyncerClient:
         try:
             # Connection: close, else the session would keep an idle HTTP connection to the daemon
             ask = headers | {"Connection": "close"}
-            async with http.get(url.with_scheme("http").with_path("/lane"), headers=ask) as answer:
+            where = url.with_scheme("https" if self._ssl is not None else "http").with_path("/lane")
+            async with http.get(where, headers=ask, ssl=self._ssl if self._ssl is not None else True) as answer:
                 if answer.status == 404:
                     return None
                 answer.raise_for_status()
                 port = int((await answer.json())["port"])
-            opened = await asyncio.to_thread(lane.open_lane, url.host, port, token, self.config.lane_limits)
+            opened = await asyncio.to_thread(lane.open_lane, url.host, port, token, self.config.lane_limits, self._ssl)
         except (aiohttp.ClientError, lane.LaneError, ValueError, KeyError, TypeError) as exc:
             log.info("no lane, everything on the websocket: %s", exc)
             return None

@@ -1,4 +1,4 @@
-"""The lane: a plain TCP connection beside a learner's websocket that carries its bulk frames' data.
+"""The lane: a TCP connection beside a learner's websocket that carries its bulk frames' data.
 
 Why: over loopback, aiohttp's websocket costs about 2 ns of CPU per byte, sender and receiver summed
 (the client masks every byte, the reader copies each frame several times); a bare socket moves the
@@ -18,11 +18,13 @@ an authenticated websocket can have one), asks `GET /lane` for the port after co
 syncer has none) and opens it with `LANE_HELLO` (magic, lane version, token); the syncer answers
 `LANE_ANSWER` (magic, status) and both sides use the lane from then on. Anything that fails on the
 way leaves the connection on its websocket alone; a lane that fails once in use closes the connection
-(its bytes and the headers are out of step), and the learner reconnects.
+(its bytes and the headers are out of step), and the learner reconnects. A syncer that serves TLS
+serves its lane with TLS too, with the same certificate, and a learner checks it as it checks the
+websocket's.
 
 I/O: blocking sockets, each direction on a thread of its own: `sendmsg` of the prefix and of the data
-as it lies in the encoded frames, `recv_into` the message's memory. The event loop never touches the
-bulk bytes, and the kernel copies them with the GIL released.
+as it lies in the encoded frames (two `sendall` over TLS), `recv_into` the message's memory. The event
+loop never touches the bulk bytes, and the kernel (or OpenSSL) copies them with the GIL released.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import ssl
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +64,7 @@ LANE_HELLO = struct.Struct("<4sI16s8x")  # magic, lane version, token; 32 bytes
 LANE_ANSWER = struct.Struct("<4sI")  # magic, status
 LANE_MAGIC = b"DDLN"
 ATTACHED, UNKNOWN_TOKEN, BAD_HELLO = 0, 1, 2
+TLS_HANDSHAKE_THREADS = 4
 STATUS_TEXT = {ATTACHED: "attached", UNKNOWN_TOKEN: "unknown token", BAD_HELLO: "bad hello"}
 
 
@@ -127,6 +131,10 @@ class Lane:
 
     def _send_blocking(self, prefix: bytes, data: memoryview) -> None:
         try:
+            if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg over TLS: one record each
+                self._sock.sendall(prefix)
+                self._sock.sendall(data)
+                return
             sent = self._sock.sendmsg([prefix, data])
             if sent < len(prefix):
                 self._sock.sendall(prefix[sent:])
@@ -170,10 +178,7 @@ class Lane:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # not connected any more: nothing to shut
+        _shut(self._sock)
         self._sock.close()
         self._sender.shutdown(wait=False)
         self._receiver.shutdown(wait=False)
@@ -200,14 +205,17 @@ async def receive_frame(reassembler: wire.Reassembler, data: bytes, lane: Lane |
     return reassembler.feed(data), len(data)
 
 
-def open_lane(host: str, port: int, token: str, limits: LaneLimits) -> Lane:
-    """Connect to the syncer's lane and present `token` (blocking: run it on a thread). Raises
-    `LaneError` when the lane cannot be had; the caller goes on without one."""
+def open_lane(host: str, port: int, token: str, limits: LaneLimits, tls: ssl.SSLContext | None = None) -> Lane:
+    """Connect to the syncer's lane and present `token` (blocking: run it on a thread), over TLS
+    with `tls` (the websocket's context: the same certificate checks). Raises `LaneError` when the
+    lane cannot be had; the caller goes on without one."""
     try:
         sock = socket.create_connection((host, port), timeout=limits.handshake_s_max)
     except OSError as exc:
         raise LaneError(f"cannot connect to the lane at {host}:{port}: {exc}") from exc
     try:
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
         sock.sendall(LANE_HELLO.pack(LANE_MAGIC, LANE_VERSION, bytes.fromhex(token)))
         answer = bytearray(LANE_ANSWER.size)
         view, got = memoryview(answer), 0
@@ -232,9 +240,19 @@ class LaneListener:
     each to `attach(token, sock) -> bool` (False: no websocket offered that token). Bad input
     closes that one connection and nothing else."""
 
-    def __init__(self, host: str, port: int, limits: LaneLimits, attach: Callable[[bytes, socket.socket], bool]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        limits: LaneLimits,
+        attach: Callable[[bytes, socket.socket], bool],
+        tls: ssl.SSLContext | None = None,
+    ):
         self.limits = limits
         self._attach = attach
+        self._tls = tls
+        # TLS handshakes are blocking calls, each on a thread of this pool (at most handshakes_max wait)
+        self._tls_pool = ThreadPoolExecutor(TLS_HANDSHAKE_THREADS, thread_name_prefix="ddiloco-lane-tls")
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
@@ -261,11 +279,26 @@ class LaneListener:
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
 
+    async def _hello(self, conn: socket.socket) -> tuple[socket.socket, bytes]:
+        """The connection (wrapped in TLS where the lane has it) and its hello's bytes."""
+        loop = asyncio.get_running_loop()
+        if self._tls is None:
+            conn.setblocking(False)
+            hello = await asyncio.wait_for(_recv_exactly(loop, conn, LANE_HELLO.size), self.limits.handshake_s_max)
+            return conn, hello
+        conn.setblocking(True)
+        conn.settimeout(self.limits.handshake_s_max)
+        work = loop.run_in_executor(self._tls_pool, _tls_hello, self._tls, conn)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), self.limits.handshake_s_max)
+        except TimeoutError:
+            _shut(conn)  # the thread's blocking read returns now
+            raise
+
     async def _handshake(self, conn: socket.socket, addr) -> None:
         loop = asyncio.get_running_loop()
-        conn.setblocking(False)
         try:
-            hello = await asyncio.wait_for(_recv_exactly(loop, conn, LANE_HELLO.size), self.limits.handshake_s_max)
+            conn, hello = await self._hello(conn)
             magic, version, token = LANE_HELLO.unpack(hello)
             if (magic, version) != (LANE_MAGIC, LANE_VERSION):
                 status = BAD_HELLO
@@ -277,9 +310,11 @@ class LaneListener:
                 return
             else:
                 status = UNKNOWN_TOKEN
-            await asyncio.wait_for(
-                loop.sock_sendall(conn, LANE_ANSWER.pack(LANE_MAGIC, status)), self.limits.handshake_s_max
-            )
+            answer = LANE_ANSWER.pack(LANE_MAGIC, status)
+            if self._tls is None:
+                await asyncio.wait_for(loop.sock_sendall(conn, answer), self.limits.handshake_s_max)
+            else:
+                conn.sendall(answer)  # eight bytes, one record, into an empty buffer
         except (OSError, TimeoutError, EOFError) as exc:
             log.info("lane: handshake with %s failed: %s", addr, exc)
             conn.close()
@@ -294,6 +329,27 @@ class LaneListener:
             task.cancel()
         await asyncio.gather(*self._handshakes, *([self._accepting] if self._accepting else []), return_exceptions=True)
         self._sock.close()
+        self._tls_pool.shutdown(wait=False)
+
+
+def _tls_hello(tls: ssl.SSLContext, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes]:
+    """The server's side of a TLS lane's handshake and its hello, blocking (on a pool thread)."""
+    wrapped = tls.wrap_socket(conn, server_side=True)
+    hello, got = bytearray(LANE_HELLO.size), 0
+    view = memoryview(hello)
+    while got < len(hello):
+        n = wrapped.recv_into(view[got:])
+        if n == 0:
+            raise EOFError(f"closed after {got} of {len(hello)} bytes")
+        got += n
+    return wrapped, bytes(hello)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected any more
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, nbytes: int) -> bytes:

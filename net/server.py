@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -106,9 +107,9 @@ class ServerConfig:
     # largest fragments takes well under a second; 30 s is a core that is stuck, not busy)
     core_stall_s_max: float = CORE_STALL_S_MAX_DEFAULT
     guard: GuardLimits = field(default_factory=GuardLimits)  # slow peers and connections per address
-    # The lane (net.lane): bulk frames' data on a plain TCP port beside the websockets, 0: any free
-    # port (a learner asks GET /lane). None: no lane, everything on the websockets. Off with TLS: the
-    # lane is not encrypted.
+    # The lane (net.lane): bulk frames' data on a TCP port beside the websockets (with TLS where the
+    # daemon serves it), 0: any free port (a learner asks GET /lane). None: no lane, everything on
+    # the websockets.
     lane_port: int | None = 0
     lane: LaneLimits = field(default_factory=LaneLimits)
 
@@ -258,7 +259,7 @@ class SyncerServer:
             ssl=ssl_context,
         )
         self.port = self._listener.sockets[0].getsockname()[1]  # the port the OS chose for port 0
-        self._start_lanes(ssl_context is not None)
+        self._start_lanes(ssl_context)
         if self.config.snapshot_every_s:
             self._spawn(self._snapshot_timer())
         log.info(
@@ -266,17 +267,16 @@ class SyncerServer:
         )
         return self.port
 
-    def _start_lanes(self, tls: bool) -> None:
+    def _start_lanes(self, tls_context: ssl.SSLContext | None) -> None:
         if self.config.lane_port is None:
             return
-        if tls:
-            log.info("no lane: it is not encrypted, and this daemon serves TLS; bulk frames stay on wss")
-            return
         # A port that cannot be had fails the start as the websocket's port does (OSError).
-        lanes = LaneListener(self.config.host, self.config.lane_port, self.config.lane, self.sessions.attach_lane)
+        lanes = LaneListener(
+            self.config.host, self.config.lane_port, self.config.lane, self.sessions.attach_lane, tls=tls_context
+        )
         lanes.start()
         self.sessions.lanes = lanes
-        log.info("lanes on %s:%d", self.config.host, lanes.port)
+        log.info("lanes on %s:%d%s", self.config.host, lanes.port, " (TLS)" if tls_context is not None else "")
 
     async def stop(self, *, checkpoint: bool = True) -> None:
         """Close every connection, drain the core, write a last checkpoint (after a core failure: only

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import replace
 
 import aiohttp
 import numpy as np
@@ -145,13 +146,10 @@ async def _daemon(tmp_path, lane_port=0, limits=EVERY_FRAME) -> SyncerServer:
 class _Learner:
     """The real client, pushing random outer gradients of the fragments due at each step."""
 
-    def __init__(self, server: SyncerServer, name: str, on_lane: bool, seed: int):
-        url = f"ws://127.0.0.1:{server.port}/ws"
-        self.client = SyncerClient(
-            ClientConfig(
-                url=url, name=name, tensors=TENSORS, token=TOKEN, wire=SMALL, lane=on_lane, lane_limits=EVERY_FRAME
-            )
-        )
+    def __init__(self, server: SyncerServer, name: str, on_lane: bool, seed: int, ca_file=None):
+        url = f"{'wss' if ca_file else 'ws'}://127.0.0.1:{server.port}/ws"
+        config = ClientConfig(url=url, name=name, tensors=TENSORS, token=TOKEN, wire=SMALL, ca_file=ca_file)
+        self.client = SyncerClient(replace(config, lane=on_lane, lane_limits=EVERY_FRAME))
         self.rng = np.random.default_rng(seed)
         self.task = asyncio.create_task(self.client.run())
         # (fragment, version, the version a delta applies onto or -1) -> the payload received
@@ -331,4 +329,34 @@ async def test_a_lane_that_sends_what_its_headers_did_not_announce_closes_that_c
         await _train(server, [b], merges=2)  # the other learner trains on
     finally:
         await b.client.close()
+        await server.stop(checkpoint=False)
+
+
+# ---- TLS: a syncer that serves TLS serves its lane with it ----------------------------------------
+
+
+async def test_over_tls_the_lane_is_tls_too_and_a_plain_hello_gets_nothing(tmp_path, self_signed_cert):
+    cert, key = self_signed_cert
+    config = SyncerConfig(num_fragments=2, period=2)
+    server_config = ServerConfig(port=0, auth_token=TOKEN, wire=SMALL, lane=EVERY_FRAME, tls_cert=cert, tls_key=key)
+    server = SyncerServer(syncer.new_state(config), server_config)
+    await server.start()
+    a = _Learner(server, "a", on_lane=True, seed=1, ca_file=cert)
+    try:
+        await _train(server, [a], merges=3)
+        assert a.client.lanes_attached == 1
+        assert server.metrics.lane_bytes_in > 0 and server.metrics.lane_bytes_out > 0
+
+        def plain_hello():  # the lane's hello in the clear, to a port that speaks TLS
+            with _connect(server.sessions.lanes.port) as s:
+                s.sendall(lane.LANE_HELLO.pack(lane.LANE_MAGIC, lane.LANE_VERSION, bytes(16)))
+                try:
+                    return _answer(s)
+                except OSError:
+                    return None
+
+        assert await asyncio.get_running_loop().run_in_executor(None, plain_hello) is None
+        await _train(server, [a], merges=server.state.merges + 2)  # the learner on its lane goes on
+    finally:
+        await a.client.close()
         await server.stop(checkpoint=False)
