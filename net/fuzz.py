@@ -6,7 +6,11 @@ hostile peers. Each hostile peer holds an authenticated websocket, says hello, a
 from valid messages of every kind (the syncer's kinds too) and then mutated: bit flips with or
 without a fixed checksum, header fields and JSON fields set at and beyond their limits (huge,
 negative, float, NaN, wrong types), truncation, chunks reordered, dropped or repeated, oversized
-declared counts, non-finite payloads, hostile clocks and tensor lists. After each batch it checks:
+declared counts, non-finite payloads, hostile clocks and tensor lists. Half of the hostile sessions
+offer and open a lane (net.lane; every frame with data goes on it) and send some of their frames'
+data there, as it should go or out of step with the headers: another message's prefix, bytes short
+or over, changed bytes, data no header announced. The honest learners use lanes too. After each
+batch it checks:
 
 - the core lives: `/healthz` answers ok, an honest learner's progress is handled and a round merges
   an honest push;
@@ -44,8 +48,8 @@ from ddiloco.core.checksum import crc32
 from ddiloco.core.config import SyncerConfig
 from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec, layout_from_description
+from ddiloco.net import lane, session, wire
 from ddiloco.net import messages as msg
-from ddiloco.net import session, wire
 from ddiloco.net.client import ClientConfig, SyncerClient
 from ddiloco.net.server import ServerConfig, SyncerServer
 
@@ -67,6 +71,11 @@ HONEST_TICK_S = 0.05
 WAIT_S_MAX = 30.0  # how long a check waits for the core to handle an honest event
 WELCOME_WAIT_S_MAX = 10.0  # an honest learner's
 HOSTILE_WELCOME_WAIT_S_MAX = 2.0  # a hostile peer goes on without its welcome after this (before-hello refusals)
+# Every frame with data on a lane, and a lane silent for a second given up (a header whose data never
+# comes holds its connection's reader that long, not the daemon's 30 s).
+LANES = lane.LaneLimits(data_bytes_min=1, handshake_s_max=2.0, stall_s_max=1.0)
+HOSTILE_LANE_SHARE = 0.5  # of hostile sessions that open a lane
+LANE_FRAME_SHARE = 0.5  # of a laned hostile session's frames whose data goes on its lane
 # Values at and beyond every limit a field has: the wire's 2**53 - 1, the clocks' 2**52, the core's
 # 2**62, int64 and uint64, and every JSON type that is not an integer.
 _INTERESTING = (
@@ -220,7 +229,7 @@ async def _epoch(
     """One daemon, fuzzed until the time is up or its core dies."""
     server = SyncerServer(
         syncer.new_state(SyncerConfig(num_fragments=2, period=4, quorum=1)),
-        ServerConfig(port=0, auth_token=TOKEN, wire=LIMITS),
+        ServerConfig(port=0, auth_token=TOKEN, wire=LIMITS, lane=LANES),
     )
     await server.start()
     url = f"ws://127.0.0.1:{server.port}/ws"
@@ -435,6 +444,7 @@ class _Honest:
                 reconnect_s_max=0.2,
                 progress_interval_s=0,
                 close_drain_s=0,
+                lane_limits=LANES,
             )
         )
         self.rng = np.random.default_rng(10_000 + seed)
@@ -513,6 +523,7 @@ class _Hostile:
     def __init__(self, url: str, name: str, http: aiohttp.ClientSession, report: FuzzReport) -> None:
         self.url, self.name, self.http, self.report = url, name, http, report
         self.ws: aiohttp.ClientWebSocketResponse | None = None
+        self.lane: lane.Lane | None = None  # this session's, when it opened one
         self.reader: asyncio.Task | None = None
         self.ids = 0
         self.welcome: session.WelcomeInfo | None = None
@@ -532,20 +543,52 @@ class _Hostile:
             if self.ws.closed:
                 break
             try:
-                await self.ws.send_bytes(bytes(frame))
+                if self.lane is not None and len(frame) > wire.HEADER_BYTES and rng.random() < LANE_FRAME_SHARE:
+                    self.report.mutations[await self._on_lane(rng, bytes(frame))] += 1
+                else:
+                    await self.ws.send_bytes(bytes(frame))
             except (ConnectionError, RuntimeError, aiohttp.ClientError):
                 break  # closed under us after an earlier fatal error: the next message reconnects
             self.report.frames_sent += 1
         await asyncio.sleep(0)  # let the reader see a close the daemon sent, so the next message reconnects
         return label
 
+    async def _on_lane(self, rng: np.random.Generator, frame: bytes) -> str:
+        """Send `frame`'s header on the websocket and its data on the lane, as the protocol says or
+        out of step with the header; the label of what was done."""
+        fields = wire.HEADER.unpack_from(frame)
+        data = frame[wire.HEADER_BYTES :]
+        how = _LANE_MUTATIONS[int(rng.integers(len(_LANE_MUTATIONS)))]
+        prefix = wire.LANE_PREFIX.pack(fields[4], fields[5], len(data))
+        if how == "lane:other message":
+            prefix = wire.LANE_PREFIX.pack((fields[4] + 1 + int(rng.integers(1 << 20))) % 2**64, fields[5], len(data))
+        elif how == "lane:short":
+            data = data[: int(rng.integers(len(data)))]
+        elif how == "lane:over":
+            data = data + bytes(int(rng.integers(1, 64)))
+        elif how == "lane:changed":
+            changed = bytearray(data)
+            changed[int(rng.integers(len(changed)))] ^= 1 << int(rng.integers(8))
+            data = bytes(changed)
+        if how != "lane:no header":
+            await self.ws.send_bytes(frame[: wire.HEADER_BYTES])
+        try:
+            await asyncio.to_thread(self.lane._sock.sendall, prefix + data)
+        except OSError:
+            pass  # the daemon closed it after an earlier error: the websocket's close follows
+        return how
+
     async def _connect(self, rng: np.random.Generator) -> None:
         await self.close()
+        token = lane.new_token() if rng.random() < HOSTILE_LANE_SHARE else None
+        headers = {"Authorization": f"Bearer {TOKEN}"} | ({lane.LANE_HEADER: token} if token else {})
         self.ws = await self.http.ws_connect(
-            self.url, headers={"Authorization": f"Bearer {TOKEN}"}, max_msg_size=LIMITS.max_msg_size, heartbeat=None
+            self.url, headers=headers, max_msg_size=LIMITS.max_msg_size, heartbeat=None
         )
         self.report.connections += 1
         self.welcome = None
+        if token is not None:
+            self.lane = await self._open_lane(token)
         self.reader = asyncio.create_task(self._read(self.ws))
         if rng.random() < 0.85:  # mostly a real session, so the messages after the hello reach the core
             hello = session.hello_frames(self.name, TENSORS, self._id(), LIMITS, {self.name: 1})
@@ -558,20 +601,34 @@ class _Hostile:
             except TimeoutError:
                 pass  # the session goes on without it; what follows is refused as before-hello
 
+    async def _open_lane(self, token: str) -> lane.Lane | None:
+        base = self.url.replace("ws://", "http://").rsplit("/", 1)[0]
+        async with self.http.get(f"{base}/lane") as answer:
+            port = (await answer.json())["port"]
+        host = base.split("//", 1)[1].rsplit(":", 1)[0]
+        try:
+            return await asyncio.to_thread(lane.open_lane, host, port, token, LANES)
+        except lane.LaneError as exc:
+            self.report.failures.append(f"{self.name}: its lane was refused: {exc}")
+            return None
+
     def _id(self) -> int:
         self.ids += 1
         return self.ids
 
     async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         reassembler = wire.Reassembler(LIMITS, accepted=msg.SYNCER_KINDS)
+        on_lane = self.lane
         async for frame in ws:
             if frame.type is not aiohttp.WSMsgType.BINARY:
                 continue
             try:
-                m = reassembler.feed(frame.data)
+                m, _ = await lane.receive_frame(reassembler, frame.data, on_lane)
             except wire.WireError as exc:  # the daemon must only send valid frames
                 self.report.failures.append(f"the daemon sent a frame {self.name} cannot read: {exc}")
                 return
+            except lane.LaneError:
+                return  # the daemon closed this session's lane after its own bad bytes
             if m is not None:
                 self._take(m)
 
@@ -594,6 +651,9 @@ class _Hostile:
     async def close(self) -> None:
         if self.ws is not None:
             await self.ws.close()
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
         if self.reader is not None:
             try:
                 await self.reader
@@ -602,6 +662,19 @@ class _Hostile:
 
 
 # ---- building fuzzed messages ------------------------------------------------------------------------
+
+
+# What a laned hostile peer does with one frame's data (`_Hostile._on_lane`): as the protocol says,
+# behind another message's prefix, short of or beyond the bytes declared, with a bit changed, or with
+# no header on the websocket to announce it.
+_LANE_MUTATIONS = (
+    "lane:as announced",
+    "lane:other message",
+    "lane:short",
+    "lane:over",
+    "lane:changed",
+    "lane:no header",
+)
 
 
 def _fuzzed(rng: np.random.Generator, peer: _Hostile) -> tuple[str, list[bytes]]:

@@ -24,6 +24,13 @@ FAMILIES = {
     "sequence",
     "oversized",
     "counters",
+    # a laned hostile session's frame data on its lane (net.lane), as announced and out of step
+    "lane:as announced",
+    "lane:other message",
+    "lane:short",
+    "lane:over",
+    "lane:changed",
+    "lane:no header",
 }
 
 
