@@ -53,7 +53,7 @@ from ddiloco.net import messages as msg
 from ddiloco.net.client import ClientConfig, SyncerClient
 from ddiloco.net.server import ServerConfig, SyncerServer
 
-__all__ = ["FuzzConfig", "FuzzReport", "raw_frames", "run"]
+__all__ = ["LANE_MUTATIONS", "FuzzConfig", "FuzzReport", "raw_frames", "run"]
 
 log = logging.getLogger("ddiloco.fuzz")
 
@@ -558,7 +558,7 @@ class _Hostile:
         out of step with the header; the label of what was done."""
         fields = wire.HEADER.unpack_from(frame)
         data = frame[wire.HEADER_BYTES :]
-        how = _LANE_MUTATIONS[int(rng.integers(len(_LANE_MUTATIONS)))]
+        how = LANE_MUTATIONS[int(rng.integers(len(LANE_MUTATIONS)))]
         prefix = wire.LANE_PREFIX.pack(fields[4], fields[5], len(data))
         if how == "lane:other message":
             prefix = wire.LANE_PREFIX.pack((fields[4] + 1 + int(rng.integers(1 << 20))) % 2**64, fields[5], len(data))
@@ -667,7 +667,7 @@ class _Hostile:
 # What a laned hostile peer does with one frame's data (`_Hostile._on_lane`): as the protocol says,
 # behind another message's prefix, short of or beyond the bytes declared, with a bit changed, or with
 # no header on the websocket to announce it.
-_LANE_MUTATIONS = (
+LANE_MUTATIONS = (
     "lane:as announced",
     "lane:other message",
     "lane:short",

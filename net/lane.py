@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import secrets
 import socket
 import ssl
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,8 +115,8 @@ class Lane:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.limits = limits
         self._sock = sock
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="ddiloco-lane-send")
-        self._receiver = ThreadPoolExecutor(1, thread_name_prefix="ddiloco-lane-recv")
+        self._sender = _Worker("ddiloco-lane-send")
+        self._receiver = _Worker("ddiloco-lane-recv")
         self.closed = False
 
     def carries(self, frame: bytes | memoryview) -> bool:
@@ -127,7 +129,7 @@ class Lane:
         fields = wire.HEADER.unpack_from(view)
         data = view[wire.HEADER_BYTES :]
         prefix = wire.LANE_PREFIX.pack(fields[4], fields[5], len(data))
-        await asyncio.get_running_loop().run_in_executor(self._sender, self._send_blocking, prefix, data)
+        await self._sender.run(self._send_blocking, prefix, data)
 
     def _send_blocking(self, prefix: bytes, data: memoryview) -> None:
         try:
@@ -147,9 +149,8 @@ class Lane:
         """The data of the frame whose `header` came alone on the websocket, read into its message's
         memory: (the message it completes or None, the frame's data bytes). Raises `wire.WireError`
         (the lane's bytes do not match the header) or `LaneError`."""
-        loop = asyncio.get_running_loop()
         # The reassembler is this connection's reader's, and the reader waits here: the thread may use it.
-        chunk = await loop.run_in_executor(self._receiver, self._receive_blocking, reassembler, bytes(header))
+        chunk = await self._receiver.run(self._receive_blocking, reassembler, bytes(header))
         return reassembler.lane_end(chunk), chunk.data_bytes
 
     def _receive_blocking(self, reassembler: wire.Reassembler, header: bytes) -> wire.LaneChunk:
@@ -180,8 +181,8 @@ class Lane:
         self.closed = True
         _shut(self._sock)
         self._sock.close()
-        self._sender.shutdown(wait=False)
-        self._receiver.shutdown(wait=False)
+        self._sender.stop()
+        self._receiver.stop()
 
 
 async def send_frame(ws, lane: Lane | None, frame: bytes | memoryview) -> int:
@@ -330,6 +331,45 @@ class LaneListener:
         await asyncio.gather(*self._handshakes, *([self._accepting] if self._accepting else []), return_exceptions=True)
         self._sock.close()
         self._tls_pool.shutdown(wait=False)
+
+
+class _Worker:
+    """One daemon thread that runs blocking calls for the event loop, one at a time, in order. Not a
+    ThreadPoolExecutor: its threads are joined at interpreter exit, and a lane's, blocked on a peer
+    that went silent, would hold the process's exit for `stall_s_max`."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    async def run(self, fn: Callable, *args: object) -> object:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._jobs.put((fn, args, loop, done))
+        return await done
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, loop, done = job
+            try:
+                outcome, value = True, fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine, raised there
+                outcome, value = False, exc
+            try:
+                loop.call_soon_threadsafe(_settle, done, outcome, value)
+            except RuntimeError:
+                return  # the loop closed: nobody waits any more
+
+
+def _settle(done: asyncio.Future, outcome: bool, value: object) -> None:
+    if not done.done():  # else cancelled meanwhile (a send past its stall limit)
+        if outcome:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
 
 
 def _tls_hello(tls: ssl.SSLContext, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes]:

@@ -24,14 +24,7 @@ FAMILIES = {
     "sequence",
     "oversized",
     "counters",
-    # a laned hostile session's frame data on its lane (net.lane), as announced and out of step
-    "lane:as announced",
-    "lane:other message",
-    "lane:short",
-    "lane:over",
-    "lane:changed",
-    "lane:no header",
-}
+} | set(fuzz.LANE_MUTATIONS)  # a laned hostile session's frame data on its lane, as announced and out of step
 
 
 def test_a_bounded_fuzz_run_leaves_the_daemon_alive_and_merging():

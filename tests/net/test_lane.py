@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 from dataclasses import replace
 
 import aiohttp
@@ -360,3 +362,24 @@ async def test_over_tls_the_lane_is_tls_too_and_a_plain_hello_gets_nothing(tmp_p
     finally:
         await a.client.close()
         await server.stop(checkpoint=False)
+
+
+def test_a_lane_blocked_on_a_silent_peer_does_not_hold_the_process_at_exit():
+    # A learner stopped with Ctrl-C while its lane waits for data: the process ends at once, not
+    # after the lane's stall limit (here a minute).
+    script = """
+import asyncio, socket
+from ddiloco.net import lane
+server = socket.create_server(("127.0.0.1", 0))
+b = socket.create_connection(server.getsockname())
+a, _ = server.accept()
+async def main():
+    opened = lane.Lane(a, lane.LaneLimits(stall_s_max=60))
+    waiting = asyncio.create_task(opened._receiver.run(opened._fill, memoryview(bytearray(10))))
+    await asyncio.sleep(0.3)
+    waiting.cancel()
+asyncio.run(main())
+print("ended")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "ended", done.stderr
