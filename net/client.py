@@ -441,7 +441,7 @@ class SyncerClient:
                 answer.raise_for_status()
                 port = int((await answer.json())["port"])
             opened = await asyncio.to_thread(lane.open_lane, url.host, port, token, self.config.lane_limits, self._ssl)
-        except (aiohttp.ClientError, lane.LaneError, ValueError, KeyError, TypeError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError, KeyError, TypeError) as exc:  # LaneError too
             log.info("no lane, everything on the websocket: %s", exc)
             return None
         self.lanes_attached += 1

@@ -124,8 +124,7 @@ class Sessions:
             self.conns.pop(conn.conn_id, None)
             if offer is not None and self.lane_offers.get(offer) is conn:
                 del self.lane_offers[offer]
-            if conn.lane is not None:
-                conn.lane.close()
+            _close_lane(conn)
             if not self._stopping():
                 await self.core.submit(Closed(conn.conn_id, "connection closed"))
         return ws
@@ -194,12 +193,14 @@ class Sessions:
         await conn.flush_control(CLOSE_FLUSH_S_MAX)
         conn.closed = True
         conn.wake.set()
+        _close_lane(conn)
         await conn.ws.close(code=1008, message=reason[:120].encode())
 
     async def close_all(self) -> None:
         for conn in list(self.conns.values()):
             conn.closed = True
             conn.wake.set()
+            _close_lane(conn)
             await conn.ws.close(code=1001, message=b"syncer shutting down")
 
     def _queue(self, conn_id: int, frames, *, bulk: bool, key: object = None, learner: int | None = None) -> None:
@@ -313,6 +314,13 @@ class Sessions:
 
     def log(self, effect: Log) -> None:
         log.log(logging.WARNING if effect.level == "warning" else logging.INFO, effect.text)
+
+
+def _close_lane(conn: Connection) -> None:
+    """Close `conn`'s lane, if it has one: a reader or writer blocked on it returns at once (a closing
+    connection must not wait out the lane's stall limit)."""
+    if conn.lane is not None:
+        conn.lane.close()
 
 
 def _run_all(fns: list[Callable[[], None]]) -> None:

@@ -383,3 +383,21 @@ print("ended")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and done.stdout.strip() == "ended", done.stderr
+
+
+async def test_a_daemon_stops_at_once_while_a_lane_waits_for_data_its_header_announced(tmp_path):
+    # A learner sent a header and died before its data: its connection's reader waits on the lane.
+    # Stopping the daemon closes the lane, so the stop does not wait out the lane's stall limit.
+    server = await _daemon(tmp_path, limits=lane.LaneLimits(data_bytes_min=1, stall_s_max=120))
+    token = lane.new_token()
+    headers = {"Authorization": f"Bearer {TOKEN}", lane.LANE_HEADER: token}
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(f"ws://127.0.0.1:{server.port}/ws", headers=headers, max_msg_size=0)
+        limits = lane.LaneLimits(stall_s_max=120)
+        opened = await asyncio.to_thread(lane.open_lane, "127.0.0.1", server.sessions.lanes.port, token, limits)
+        hello = session.hello_frames("silent", TENSORS, 1, SMALL, {}, "")
+        await ws.send_bytes(bytes(hello[0][: wire.HEADER_BYTES]))  # its data never comes
+        await asyncio.sleep(0.5)
+        await asyncio.wait_for(server.stop(checkpoint=False), 60)  # a hang detector, half the stall limit
+        opened.close()
+        await ws.close()
