@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -208,6 +209,7 @@ class DilocoSync:
         self._deferred: arrivals.Deferred = {}  # arrived versions waiting behind a push (arrivals.defer)
         self._background = background.Background()  # host work off the training thread (SyncConfig.background)
         self._placements: dict[int, tuple[LeafPlace, ...]] = {}  # fragment -> where its leaves live, last seen
+        self._warmed: set[tuple[LeafPlace, ...]] = set()  # placements whose device add is compiled (`_warm_add`)
         self.merged_versions_applied = 0
         self.welcomes_seen = 0
         self.recovered_from, self.recovery_s = "init", 0.0
@@ -761,7 +763,10 @@ class DilocoSync:
         if not self.config.background:
             return
         if params is not None:
-            self._placements[q] = self._joined()[1].placement(params, q)
+            placement = self._joined()[1].placement(params, q)
+            if placement != self._placements.get(q):
+                self._warm_add(placement)
+            self._placements[q] = placement
         frag = self.fragments[q]
         if frag.published is None:
             return
@@ -770,6 +775,14 @@ class DilocoSync:
         placement = self._placements.get(q)
         place = None if placement is None else functools.partial(self._joined()[1].place, q, placement)
         self._background.holds(q, frag.version, frag.published, None if kept is None else kept.anchor, place)
+
+    def _warm_add(self, placement: tuple) -> None:
+        """Compile the device add for leaves placed so, on a thread of its own, once per placement."""
+        if placement in self._warmed:
+            return
+        self._warmed.add(placement)
+        tree = self._joined()[1]
+        threading.Thread(target=tree.warm_add, args=(placement,), name="ddiloco-sync-warm", daemon=True).start()
 
     def _start_push(self, params: Any, q: int) -> pushes.InFlight:
         """Fragment q's push, started: its copy to the host, and its host work on the background

@@ -121,3 +121,21 @@ def test_steps_noted_without_asking_are_asked_about_at_the_next_report():
     for step in range(15, 15 + lead.LEAD_STEPS_MAX + 2):
         counted.note(step, x)  # bounded like dispatched: the oldest is taken as computed
     assert counted.pending == lead.LEAD_STEPS_MAX and counted.computed == 16
+
+
+def test_warming_a_fragments_device_add_compiles_what_its_first_apply_runs():
+    # TreeFragments.warm_add, on any thread ahead of the first version added: the apply on the
+    # training thread then finds the add compiled (no entry added to the jit's cache).
+    from ddiloco.learner import tree as trees
+
+    params = {"a": jnp.ones((24, 40)), "b": jnp.ones((40, 8)), "c": jnp.ones((13,))}
+    tree = TreeFragments(params, build_layout(tensor_specs(params), 1))
+    placement = tree.placement(params, 0)
+    before = trees._added._cache_size()
+    tree.warm_add(placement)
+    warmed = trees._added._cache_size()
+    assert warmed == before + 1
+    values = np.arange(tree.layout.fragments[0].padded_size, dtype=np.float32)
+    added = tree.add_placed(params, 0, tree.place(0, placement, values))
+    assert trees._added._cache_size() == warmed
+    assert float(added["c"][0]) == 1.0 + values[24 * 40 + 40 * 8]
