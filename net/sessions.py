@@ -147,7 +147,14 @@ class Sessions:
         if conn is None or conn.closed:
             return False
         conn.lane = lane.Lane(sock, self.lanes.limits)
-        log.info("learner %s (connection %d): lane attached", conn.learner, conn.conn_id)
+        # Before the welcome as a rule (the learner opens it as soon as its websocket is up): the
+        # connection has no learner id yet, and the line names the connection only.
+        who = (
+            f"learner {conn.learner} (connection {conn.conn_id})"
+            if conn.learner is not None
+            else f"connection {conn.conn_id}"
+        )
+        log.info("%s: lane attached", who)
         return True
 
     async def _write(self, conn: Connection) -> None:
