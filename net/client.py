@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import aiohttp
-from yarl import URL
 
 from ddiloco.core.events import Push
 from ddiloco.core.layout import TensorSpec
@@ -430,21 +429,12 @@ class SyncerClient:
     async def _open_lane(self, http: aiohttp.ClientSession, headers: dict, token: str) -> lane.Lane | None:
         """This connection's lane, or None where the syncer has none or it cannot be had (the
         websocket then carries everything; said once, at info)."""
-        url = URL(self.config.url)
         try:
-            # Connection: close, else the session would keep an idle HTTP connection to the daemon
-            ask = headers | {"Connection": "close"}
-            where = url.with_scheme("https" if self._ssl is not None else "http").with_path("/lane")
-            async with http.get(where, headers=ask, ssl=self._ssl if self._ssl is not None else True) as answer:
-                if answer.status == 404:
-                    return None
-                answer.raise_for_status()
-                port = int((await answer.json())["port"])
-            opened = await asyncio.to_thread(lane.open_lane, url.host, port, token, self.config.lane_limits, self._ssl)
+            opened = await lane.dial(http, self.config.url, headers, token, self.config.lane_limits, self._ssl)
         except (aiohttp.ClientError, OSError, ValueError, KeyError, TypeError) as exc:  # LaneError too
             log.info("no lane, everything on the websocket: %s", exc)
             return None
-        self.lanes_attached += 1
+        self.lanes_attached += opened is not None
         return opened
 
     def _lane_now(self) -> lane.Lane | None:

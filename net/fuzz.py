@@ -602,12 +602,8 @@ class _Hostile:
                 pass  # the session goes on without it; what follows is refused as before-hello
 
     async def _open_lane(self, token: str) -> lane.Lane | None:
-        base = self.url.replace("ws://", "http://").rsplit("/", 1)[0]
-        async with self.http.get(f"{base}/lane") as answer:
-            port = (await answer.json())["port"]
-        host = base.split("//", 1)[1].rsplit(":", 1)[0]
         try:
-            return await asyncio.to_thread(lane.open_lane, host, port, token, LANES)
+            return await lane.dial(self.http, self.url, {}, token, LANES)
         except lane.LaneError as exc:
             self.report.failures.append(f"{self.name}: its lane was refused: {exc}")
             return None

@@ -41,6 +41,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import aiohttp
+from yarl import URL
+
 from ddiloco.errors import FaultError
 from ddiloco.net import wire
 
@@ -50,6 +53,7 @@ __all__ = [
     "LaneError",
     "LaneLimits",
     "LaneListener",
+    "dial",
     "new_token",
     "open_lane",
     "parse_token",
@@ -110,8 +114,7 @@ class Lane:
     """One connected lane: `send` and `receive` frames' data, each direction on a thread of its own."""
 
     def __init__(self, sock: socket.socket, limits: LaneLimits) -> None:
-        sock.setblocking(True)
-        sock.settimeout(limits.stall_s_max)
+        sock.settimeout(limits.stall_s_max)  # blocking, each call at most this long
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.limits = limits
         self._sock = sock
@@ -162,17 +165,7 @@ class Lane:
         return chunk
 
     def _fill(self, view: memoryview) -> None:
-        got = 0
-        try:
-            while got < len(view):
-                n = self._sock.recv_into(view[got:])
-                if n == 0:
-                    raise LaneError(f"lane closed by its peer after {got} of {len(view)} bytes")
-                got += n
-        except OSError as exc:
-            if isinstance(exc, LaneError):
-                raise
-            raise LaneError(f"lane receive failed: {type(exc).__name__} {exc}") from exc
+        _read_exactly(self._sock, view, "lane receive")
 
     def close(self) -> None:
         """Shut the socket (a thread blocked on it returns at once) and let the threads end."""
@@ -206,6 +199,30 @@ async def receive_frame(reassembler: wire.Reassembler, data: bytes, lane: Lane |
     return reassembler.feed(data), len(data)
 
 
+async def dial(
+    http: aiohttp.ClientSession,
+    ws_url: str,
+    headers: dict[str, str],
+    token: str,
+    limits: LaneLimits,
+    tls: ssl.SSLContext | None = None,
+) -> Lane | None:
+    """The learner's side of the setup: ask the syncer of `ws_url` where its lane listens (`GET
+    /lane` with the websocket's `headers`; None when it answers 404: no lane) and open it with
+    `token` on a thread (`open_lane`). Raises `aiohttp.ClientError`, `LaneError`, and ValueError,
+    KeyError or TypeError for an answer it cannot read."""
+    url = URL(ws_url)
+    where = url.with_scheme("https" if url.scheme == "wss" else "http").with_path("/lane")
+    # Connection: close, else the session would keep an idle HTTP connection to the daemon
+    ask = headers | {"Connection": "close"}
+    async with http.get(where, headers=ask, ssl=tls if tls is not None else True) as answer:
+        if answer.status == 404:
+            return None
+        answer.raise_for_status()
+        port = int((await answer.json())["port"])
+    return await asyncio.to_thread(open_lane, url.host, port, token, limits, tls)
+
+
 def open_lane(host: str, port: int, token: str, limits: LaneLimits, tls: ssl.SSLContext | None = None) -> Lane:
     """Connect to the syncer's lane and present `token` (blocking: run it on a thread), over TLS
     with `tls` (the websocket's context: the same certificate checks). Raises `LaneError` when the
@@ -219,12 +236,7 @@ def open_lane(host: str, port: int, token: str, limits: LaneLimits, tls: ssl.SSL
             sock = tls.wrap_socket(sock, server_hostname=host)
         sock.sendall(LANE_HELLO.pack(LANE_MAGIC, LANE_VERSION, bytes.fromhex(token)))
         answer = bytearray(LANE_ANSWER.size)
-        view, got = memoryview(answer), 0
-        while got < len(answer):
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise LaneError(f"the lane at {host}:{port} closed before answering")
-            got += n
+        _read_exactly(sock, memoryview(answer), f"the answer of the lane at {host}:{port}")
         magic, status = LANE_ANSWER.unpack(answer)
         if magic != LANE_MAGIC or status != ATTACHED:
             raise LaneError(f"the lane at {host}:{port} refused: {STATUS_TEXT.get(status, status)}")
@@ -375,14 +387,25 @@ def _settle(done: asyncio.Future, outcome: bool, value: object) -> None:
 def _tls_hello(tls: ssl.SSLContext, conn: socket.socket) -> tuple[ssl.SSLSocket, bytes]:
     """The server's side of a TLS lane's handshake and its hello, blocking (on a pool thread)."""
     wrapped = tls.wrap_socket(conn, server_side=True)
-    hello, got = bytearray(LANE_HELLO.size), 0
-    view = memoryview(hello)
-    while got < len(hello):
-        n = wrapped.recv_into(view[got:])
-        if n == 0:
-            raise EOFError(f"closed after {got} of {len(hello)} bytes")
-        got += n
+    hello = bytearray(LANE_HELLO.size)
+    _read_exactly(wrapped, memoryview(hello), "the lane's hello")
     return wrapped, bytes(hello)
+
+
+def _read_exactly(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill `view` from `sock` (blocking, within the socket's timeout); `LaneError` when the peer
+    closes first or the socket fails."""
+    got = 0
+    try:
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise LaneError(f"{what}: closed by the peer after {got} of {len(view)} bytes")
+            got += n
+    except LaneError:
+        raise
+    except OSError as exc:  # socket.timeout included: a stalled peer
+        raise LaneError(f"{what} failed: {type(exc).__name__} {exc}") from exc
 
 
 def _shut(sock: socket.socket) -> None:

@@ -214,7 +214,15 @@ def _fill_data(data: memoryview, meta: bytes, payload: memoryview, offset: int) 
 
 
 def _frame_crc(frame: memoryview | bytes) -> int:
-    return crc32(frame[HEADER_BYTES:], crc32(frame[:CRC_OFFSET]))
+    return _crc(frame[:HEADER_BYTES], (frame[HEADER_BYTES:],))
+
+
+def _crc(header: memoryview | bytes, data: tuple[memoryview | bytes, ...]) -> int:
+    """A frame's CRC: its header but the CRC field, then its data, which may lie in pieces."""
+    crc = crc32(header[:CRC_OFFSET])
+    for piece in data:
+        crc = crc32(piece, crc)
+    return crc
 
 
 def _check_sizes(kind: Kind, meta_bytes: int, payload_bytes: int, limits: WireLimits) -> None:
@@ -452,11 +460,8 @@ class Reassembler:
         Raises `WireError`, always fatal."""
         self._check_usable()
         try:
-            crc = crc32(chunk.header[:CRC_OFFSET])
-            for view in chunk.views:
-                crc = crc32(view, crc)
             fields = chunk.fields
-            if crc != fields.crc:
+            if _crc(chunk.header, chunk.views) != fields.crc:
                 raise WireError(
                     ErrorCode.CHECKSUM,
                     f"crc32 mismatch in a lane frame of {HEADER_BYTES + chunk.data_bytes} bytes"
