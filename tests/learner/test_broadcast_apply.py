@@ -40,12 +40,18 @@ def step(lr, loop):
     loop.run(lambda at=loop.now + 0.2: loop.now >= at)
 
 
-def test_the_hook_holds_the_published_copy_after_deltas_and_a_late_joiner_gets_the_same_bytes():
+def trained(steps):
+    """A hub on a virtual clock, and learner "a" after `steps` steps against it: (loop, hub, a)."""
     loop = VirtualLoop()
     hub = Hub(syncer.new_state(SyncerConfig(num_fragments=2, period=2, quorum=1)), loop, NetworkModel())
     a = hook(hub, loop, "a", 1)
-    for _ in range(24):
+    for _ in range(steps):
         step(a, loop)
+    return loop, hub, a
+
+
+def test_the_hook_holds_the_published_copy_after_deltas_and_a_late_joiner_gets_the_same_bytes():
+    loop, hub, a = trained(24)
     state = hub.state
     assert state.merges >= 6 and all(f.delta is not None and f.delta.codec.value == "int4" for f in state.fragments)
     assert a["sync"].merged_versions_applied >= 6  # every version reached by a delta onto the one before
@@ -71,11 +77,7 @@ def test_a_learner_that_adopts_a_newer_version_from_a_peer_follows_the_broadcast
     # follow; the peer it recovers from holds those newer versions by then. The learner follows the
     # older whole copies along the deltas up to what it adopted, and applies the next delta at once,
     # long before the syncer would resend a version whole (WHOLE_RESEND_STUCK_S, 25 steps here).
-    loop = VirtualLoop()
-    hub = Hub(syncer.new_state(SyncerConfig(num_fragments=2, period=2, quorum=1)), loop, NetworkModel())
-    a = hook(hub, loop, "a", 1)
-    for _ in range(8):
-        step(a, loop)
+    loop, hub, a = trained(8)
     late = hook(hub, loop, "late", 2)  # sent the current versions whole at its join
     joined_at = [f.version for f in hub.state.fragments]
     for _ in range(8):
