@@ -763,10 +763,8 @@ class DilocoSync:
         if not self.config.background:
             return
         if params is not None:
-            placement = self._joined()[1].placement(params, q)
-            if placement != self._placements.get(q):
-                self._warm_add(placement)
-            self._placements[q] = placement
+            self._placements[q] = self._joined()[1].placement(params, q)
+            self._warm_add(self._placements[q])
         frag = self.fragments[q]
         if frag.published is None:
             return
